@@ -1,0 +1,167 @@
+"""One small class covers every device kind: torch exposes the same calls per backend."""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Optional
+
+import torch
+
+from ..errors import ConfigError
+
+_KINDS = ("cuda", "xpu", "mps", "cpu")
+
+
+class Accelerator:
+    """A device kind (``cuda``, ``xpu``, ``mps`` or ``cpu``) and its runtime calls."""
+
+    def __init__(self, kind: str) -> None:
+        if kind not in _KINDS:
+            raise ConfigError(f"unknown accelerator {kind!r}: valid are {', '.join(_KINDS)}")
+        self.kind = kind
+        self._module: Any = getattr(torch, kind, None) if kind != "cpu" else None
+
+    # --- identity -------------------------------------------------------------------
+    def device_name(self, index: Optional[int] = None) -> str:
+        if self.kind in ("cpu", "mps") or index is None:
+            return self.kind
+        return f"{self.kind}:{index}"
+
+    def device(self, index: Optional[int] = None) -> torch.device:
+        return torch.device(self.device_name(index))
+
+    def is_available(self) -> bool:
+        if self.kind == "cpu":
+            return True
+        if self.kind == "mps":
+            return torch.backends.mps.is_available()
+        return bool(self._module is not None and self._module.is_available())
+
+    def device_count(self) -> int:
+        if self.kind in ("cpu", "mps"):
+            return 1
+        return self._module.device_count()
+
+    def set_device(self, index: int) -> None:
+        if self.kind in ("cuda", "xpu"):
+            self._module.set_device(index)
+
+    def communication_backend_name(self) -> str:
+        """NCCL on CUDA Linux (RCCL on ROCm answers to the same name), XCCL on XPU, else gloo."""
+        import torch.distributed as dist
+        if self.kind == "cuda" and sys.platform.startswith("linux") and dist.is_nccl_available():
+            return "nccl"
+        if self.kind == "xpu" and hasattr(dist, "is_xccl_available") and dist.is_xccl_available():
+            return "xccl"
+        return "gloo"
+
+    # --- precision ------------------------------------------------------------------
+    def is_bf16_supported(self) -> bool:
+        if self.kind == "cuda":
+            return torch.cuda.is_bf16_supported()
+        return True
+
+    def is_fp16_supported(self) -> bool:
+        return True  # torch computes fp16 on every backend, CPU included
+
+    def supports_fused_optimizer(self) -> bool:
+        """torch's fused Adam/AdamW/SGD kernels exist for CUDA, XPU, MPS and (torch>=2.4) CPU."""
+        return True
+
+    # --- streams and sync -------------------------------------------------------------
+    def synchronize(self) -> None:
+        if self.kind == "cuda":
+            torch.cuda.synchronize()
+        elif self.kind == "xpu":
+            torch.xpu.synchronize()
+        elif self.kind == "mps":
+            torch.mps.synchronize()
+
+    def has_streams(self) -> bool:
+        return self.kind in ("cuda", "xpu")
+
+    def Stream(self) -> Any:  # noqa: N802 - mirrors torch.cuda.Stream
+        return self._module.Stream() if self.has_streams() else None
+
+    def current_stream(self) -> Any:
+        return self._module.current_stream() if self.has_streams() else None
+
+    def stream(self, stream: Any) -> Any:
+        if stream is None or not self.has_streams():
+            return contextlib.nullcontext()
+        return self._module.stream(stream)
+
+    def Event(self, **kwargs: Any) -> Any:  # noqa: N802
+        return self._module.Event(**kwargs) if self.has_streams() else None
+
+    # --- memory -----------------------------------------------------------------------
+    def pin_memory_supported(self) -> bool:
+        return self.kind in ("cuda", "xpu") and self.is_available()
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory() if self.pin_memory_supported() else tensor
+
+    def memory_allocated(self) -> int:
+        if self.kind in ("cuda", "xpu"):
+            return self._module.memory_allocated()
+        if self.kind == "mps":
+            return torch.mps.current_allocated_memory()
+        return 0
+
+    def max_memory_allocated(self) -> int:
+        if self.kind in ("cuda", "xpu"):
+            return self._module.max_memory_allocated()
+        return self.memory_allocated()
+
+    def memory_reserved(self) -> int:
+        if self.kind in ("cuda", "xpu"):
+            return self._module.memory_reserved()
+        return self.memory_allocated()
+
+    def reset_peak_memory_stats(self) -> None:
+        if self.kind in ("cuda", "xpu"):
+            self._module.reset_peak_memory_stats()
+
+    def total_memory(self, index: int = 0) -> int:
+        if self.kind in ("cuda", "xpu"):
+            return self._module.get_device_properties(index).total_memory
+        import psutil
+        return psutil.virtual_memory().total
+
+    def empty_cache(self) -> None:
+        if self.kind in ("cuda", "xpu", "mps"):
+            self._module.empty_cache()
+
+    def __repr__(self) -> str:
+        return f"Accelerator({self.kind!r})"
+
+
+_current: Optional[Accelerator] = None
+
+
+def _detect() -> str:
+    forced = os.environ.get("SHARDWISE_ACCELERATOR") or os.environ.get("DS_ACCELERATOR")
+    if forced:
+        return forced.strip().lower()
+    if torch.cuda.is_available():
+        return "cuda"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu"
+    if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def get_accelerator() -> Accelerator:
+    """The accelerator this process uses (detected once, then cached)."""
+    global _current
+    if _current is None:
+        _current = Accelerator(_detect())
+    return _current
+
+
+def set_accelerator(accelerator: Accelerator) -> None:
+    """Force the accelerator (tests, or a user who wants CPU on a GPU machine)."""
+    global _current
+    _current = accelerator
