@@ -1,0 +1,56 @@
+"""The data-parallel loader ``initialize(training_data=...)`` returns.
+
+Each rank reads its own ``1/world`` of the data set through a ``DistributedSampler``, one
+micro batch at a time. The loader remembers its epoch and position so a checkpoint can
+resume mid-epoch (``state_dict`` / ``load_state_dict``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class ShardwiseDataLoader:
+    def __init__(self, dataset: Dataset, *, batch_size: int, rank: int, world_size: int,
+                 collate_fn: Optional[Callable] = None, num_workers: Optional[int] = None,
+                 pin_memory: Optional[bool] = None, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False) -> None:
+        if num_workers is None:
+            num_workers = int(os.environ.get("SHARDWISE_DATALOADER_NUM_WORKERS", "0"))
+        if pin_memory is None:
+            pin_memory = os.environ.get("SHARDWISE_PIN_MEMORY", "0") == "1"
+        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                          shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
+                                 collate_fn=collate_fn, num_workers=num_workers,
+                                 pin_memory=pin_memory and torch.cuda.is_available(),
+                                 drop_last=drop_last,
+                                 multiprocessing_context="spawn" if num_workers > 0 else None)
+        self.epoch = 0
+        self.position = 0
+        self._skip = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.sampler.set_epoch(self.epoch)
+        skip, self._skip = self._skip, 0
+        self.position = 0
+        for i, batch in enumerate(self.loader):
+            if i < skip:
+                continue
+            self.position = i + 1
+            yield batch
+        self.epoch += 1
+        self.position = 0
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self._skip = int(state["position"])

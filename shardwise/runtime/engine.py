@@ -1,0 +1,285 @@
+"""The training engine: forward, backward and step, the same calls on every ZeRO stage.
+
+The engine owns the loop's bookkeeping (accumulation boundary, loss scaling, overflow
+skip, global-norm clipping, scheduler, counters, logging). Everything that depends on how
+parameters, gradients and optimizer states are laid out lives in a ZeRO strategy
+(``shardwise.zero``), so this file never branches on the stage after construction.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..accelerator import get_accelerator
+from ..config import ShardwiseConfig
+from ..errors import ConfigError, ZeroError
+from ..utils.logging import log_dist, logger
+from ..zero.shard_view import ShardView
+from .step_logger import StepLogger, Timers
+from .zero_optimizer import ZeroOptimizer
+
+
+class ShardwiseEngine(torch.nn.Module):
+    """DeepSpeed's ``DeepSpeedEngine`` surface over a ZeRO strategy.
+
+    Attribute access that the engine does not define falls through to the wrapped module,
+    so ``engine.generate(...)`` or ``engine.config_class`` work as they do on the model.
+    """
+
+    def __init__(self, *, module: torch.nn.Module, config: ShardwiseConfig,
+                 optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any,
+                 strategy: Any, loss_scaler: Any, device: torch.device,
+                 dp_group: Optional[dist.ProcessGroup], training_dataloader: Any = None) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.device = device
+        self.dp_group = dp_group
+        self.strategy = strategy
+        self.optimizer = (ZeroOptimizer(optimizer, strategy, loss_scaler)
+                          if optimizer is not None else None)
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.loss_scaler = loss_scaler
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._global_grad_norm: Optional[torch.Tensor] = None
+        self._in_no_sync = False
+        self._autocast_dtype = (config.torch_autocast.dtype if config.torch_autocast.enabled
+                                else None)
+        self._compute_dtype = config.compute_dtype
+        self.timers = Timers(bool(config.wall_clock_breakdown))
+        self.step_logger = StepLogger(config.steps_per_print, self.train_batch_size(), self.timers)
+        self._empty_cache_after_step = bool(getattr(config, "empty_cache_after_step", False))
+
+    # --- attribute fall-through ------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = super().__getattr__("module")
+            return getattr(module, name)
+
+    # --- batch geometry ----------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config.gradient_accumulation_steps)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def zero_optimization_stage(self) -> int:
+        return int(self.config.zero_optimization.stage)
+
+    # --- forward -------------------------------------------------------------------------------
+    def _cast_inputs(self, value: Any) -> Any:
+        if torch.is_tensor(value):
+            if value.is_floating_point() and self._compute_dtype != torch.float32:
+                value = value.to(self._compute_dtype)
+            return value.to(self.device, non_blocking=True)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._cast_inputs(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._cast_inputs(v) for k, v in value.items()}
+        return value
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
+        self.timers.start("forward")
+        ctx = (torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
+               if self._autocast_dtype is not None else contextlib.nullcontext())
+        with ctx:
+            out = self.module(*args, **kwargs)
+        self.timers.stop("forward")
+        return out
+
+    # --- backward ------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Scale the loss (1/GA and the fp16 loss scale) and run backward.
+
+        Gradients accumulate locally; on the accumulation boundary the strategy reduces them,
+        overlapping the rest of backward where the stage allows it.
+        """
+        if self.optimizer is None:
+            raise ConfigError("engine.backward() needs an optimizer: pass optimizer= to "
+                              "initialize() or add an \"optimizer\" section to the config")
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError(f"engine.backward() takes a scalar loss tensor, got "
+                             f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
+        self.step_logger.record_loss(loss)
+        boundary = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        scaled = loss.float()
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.cur_scale
+        self.timers.start("backward")
+        self.strategy.before_backward(boundary)
+        scaled.backward(retain_graph=retain_graph)
+        self.strategy.after_backward(boundary)
+        self.timers.stop("backward")
+        return loss
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (stages 0 and 1 only, as in DeepSpeed);
+        ``engine.step()`` is not allowed inside."""
+        if self.zero_optimization_stage() >= 2:
+            raise ZeroError(f"no_sync() is incompatible with ZeRO stage "
+                            f"{self.zero_optimization_stage()} (gradients are partitioned during "
+                            "backward); use gradient_accumulation_steps instead")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    # --- step ----------------------------------------------------------------------------------
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        """Count the micro step; on the accumulation boundary update the parameters."""
+        if self._in_no_sync:
+            raise ZeroError("engine.step() was called inside engine.no_sync(); leave the "
+                            "context first (DeepSpeed forbids this too)")
+        if self.optimizer is None:
+            raise ConfigError("engine.step() needs an optimizer: pass optimizer= to "
+                              "initialize() or add an \"optimizer\" section to the config")
+        boundary = self.is_gradient_accumulation_boundary()
+        self._step_applied = False
+        if boundary:
+            self.timers.start("step")
+            self._take_optimizer_step(lr_kwargs)
+            self.timers.stop("step")
+            self.global_samples += self.train_batch_size()
+            lrs = self.get_lr()
+            scale = self.loss_scaler.cur_scale if self.loss_scaler is not None else None
+            self.step_logger.on_step(self.global_steps, lrs, scale, self.skipped_steps)
+        self.micro_steps += 1
+
+    def _take_optimizer_step(self, lr_kwargs: Optional[dict]) -> None:
+        grads = self.strategy.master_grads()
+        if self.loss_scaler is not None and self._overflow(grads):
+            self.strategy.zero_grads()
+            self.loss_scaler.update_scale(True)
+            self.skipped_steps += 1
+            self.global_steps += 1
+            self._global_grad_norm = None
+            log_dist(f"step {self.global_steps}: gradient overflow, step skipped; loss scale "
+                     f"now {self.loss_scaler.cur_scale:g}", ranks=[0])
+            return
+        self._scale_and_clip(grads)
+        self.optimizer.inner.step()
+        self.strategy.after_step(True)
+        self.strategy.zero_grads()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_steps += 1
+        self._step_applied = True
+        if self._empty_cache_after_step:
+            get_accelerator().empty_cache()
+
+    def _overflow(self, grads: List[torch.Tensor]) -> bool:
+        flags = [torch.logical_not(torch.isfinite(g).all()) for g in grads if g.numel()]
+        flag = (torch.stack(flags).any().float() if flags else torch.zeros((), device=self.device))
+        flag = flag.to(self.device)
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return bool(flag.item())
+
+    def _scale_and_clip(self, grads: List[torch.Tensor]) -> None:
+        """One multiply per buffer: 1/(DP divisor × loss scale), times the clip coefficient."""
+        inv = 1.0 / self.strategy.grad_divisor
+        if self.loss_scaler is not None:
+            inv /= self.loss_scaler.cur_scale
+        clip = float(self.config.gradient_clipping or 0.0)
+        norms = [torch.linalg.vector_norm(g).to(self.device) for g in grads if g.numel()]
+        sumsq = (torch.stack(norms).square().sum() if norms
+                 else torch.zeros((), device=self.device))
+        if self.strategy.grads_partitioned and self.world_size > 1:
+            dist.all_reduce(sumsq, group=self.dp_group)
+        norm = sumsq.sqrt() * inv
+        self._global_grad_norm = norm
+        if clip > 0:
+            factor = inv * torch.clamp(clip / (norm + 1e-6), max=1.0)
+        elif inv != 1.0:
+            factor = torch.tensor(inv, device=self.device)
+        else:
+            return
+        for g in grads:
+            g.mul_(factor.to(g.device, non_blocking=True))
+
+    # --- counters and queries ----------------------------------------------------------------------
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return float(self._global_grad_norm) if self._global_grad_norm is not None else None
+
+    def get_lr(self) -> List[float]:
+        if self.optimizer is None:
+            return []
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_loss_scale(self) -> float:
+        return self.optimizer.cur_scale if self.optimizer is not None else 1.0
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.strategy.zero_grads()
+
+    def train(self, mode: bool = True) -> "ShardwiseEngine":
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self) -> "ShardwiseEngine":
+        return self.train(False)
+
+    # --- checkpoint contract --------------------------------------------------------------------
+    def shard_views(self) -> List[ShardView]:
+        return self.strategy.shard_views()
+
+    def refresh_after_load(self, weights_only: bool = False) -> None:
+        self.strategy.refresh_after_load(weights_only)
+
+    def save_checkpoint(self, save_dir: Any, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        from ..checkpoint.engine_io import save_checkpoint
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
+                               save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: Any, tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, **kwargs: Any):
+        from ..checkpoint.engine_io import load_checkpoint
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only, **kwargs)
+
+    def save_16bit_model(self, save_dir: Any, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        from ..checkpoint.engine_io import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename=save_filename,
+                                exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def __repr__(self) -> str:
+        return (f"ShardwiseEngine(stage={self.zero_optimization_stage()}, dtype="
+                f"{self._compute_dtype}, world_size={self.world_size}, device={self.device})")

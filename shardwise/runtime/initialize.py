@@ -1,0 +1,204 @@
+"""``shardwise.initialize``: DeepSpeed's entry point, argument for argument."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..accelerator import get_accelerator
+from ..comm import init_distributed
+from ..config import ShardwiseConfig, load_config
+from ..errors import ConfigError
+from ..utils.logging import log_dist, logger
+from .dataloader import ShardwiseDataLoader
+from .engine import ShardwiseEngine
+
+try:  # the script-side flags (seed's --windows_optimization etc.) live with the launcher
+    from ..launcher.script_args import add_config_arguments, apply_script_args
+except ImportError:  # pragma: no cover - only while the launcher package is incomplete
+    add_config_arguments = None  # type: ignore[assignment]
+    apply_script_args = None  # type: ignore[assignment]
+
+
+def _model_parameters(model: torch.nn.Module, model_parameters: Any) -> List[Any]:
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if not params:
+        raise ConfigError("initialize(): the optimizer was given no parameters (model_parameters "
+                          "is empty and the model has none); pass model_parameters="
+                          "model.parameters() or a list of param-group dicts")
+    return params
+
+
+def _build_optimizer(optimizer: Any, cfg: ShardwiseConfig, params: List[Any],
+                     device: torch.device) -> Optional[torch.optim.Optimizer]:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            raise ConfigError("initialize(): an optimizer object was passed and the config has an "
+                              f"\"optimizer\" section (type {cfg.optimizer.type!r}); keep one of them")
+        return optimizer
+    if callable(optimizer):
+        built = optimizer(params)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise ConfigError(f"initialize(): the optimizer callable returned {type(built).__name__}, "
+                              "expected a torch.optim.Optimizer")
+        return built
+    if optimizer is not None:
+        raise ConfigError(f"initialize(): optimizer must be a torch.optim.Optimizer or a callable "
+                          f"taking the parameters, got {type(optimizer).__name__}")
+    if cfg.optimizer is None:
+        return None
+    from ..optim import build_optimizer
+    return build_optimizer(cfg.optimizer.type, params, dict(cfg.optimizer.params),
+                           device_type=device.type)
+
+
+def _build_scheduler(lr_scheduler: Any, cfg: ShardwiseConfig, optimizer: Optional[torch.optim.Optimizer]):
+    if lr_scheduler is not None and hasattr(lr_scheduler, "step"):
+        return lr_scheduler  # a scheduler object (built on the client optimizer, whose groups we keep)
+    if optimizer is None:
+        return None
+    if lr_scheduler is not None:
+        if not callable(lr_scheduler):
+            raise ConfigError(f"initialize(): lr_scheduler must be a scheduler object or a callable "
+                              f"taking the optimizer, got {type(lr_scheduler).__name__}")
+        return lr_scheduler(optimizer)
+    if cfg.scheduler is None:
+        return None
+    from ..optim import build_scheduler
+    return build_scheduler(cfg.scheduler.type, optimizer, dict(cfg.scheduler.params))
+
+
+def _hidden_size(model: torch.nn.Module) -> Optional[int]:
+    conf = getattr(model, "config", None)
+    return getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None)
+
+
+def _named_groups(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]):
+    """Per optimizer group, its trainable (name, param) pairs; and the frozen remainder."""
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(p, name)
+    groups, seen = [], set()
+    if optimizer is not None:
+        for gi, group in enumerate(optimizer.param_groups):
+            named = []
+            for p in group["params"]:
+                if p not in names:
+                    raise ConfigError(f"initialize(): optimizer param group {gi} holds a tensor of "
+                                      f"shape {tuple(p.shape)} that is not a parameter of the model")
+                if p.requires_grad and p not in seen:
+                    named.append((names[p], p))
+                    seen.add(p)
+            groups.append(named)
+    frozen = [(n, p) for p, n in names.items() if p not in seen]
+    return groups, frozen
+
+
+def _build_strategy(cfg: ShardwiseConfig, model: torch.nn.Module, groups, frozen,
+                    device: torch.device, dp_group):
+    zero = cfg.zero_optimization
+    if zero.stage == 3:
+        from ..zero.stage3 import Stage3Strategy
+        return Stage3Strategy(config=cfg, module=model, param_groups=groups, frozen=frozen,
+                              group=dp_group, device=device)
+    offload = zero.offload_optimizer_device
+    if offload == "nvme":
+        raise ConfigError("zero_optimization.offload_optimizer.device \"nvme\" is not supported "
+                          "for stages 0-2; use \"cpu\" (stage 3 offloads to NVMe)")
+    if offload == "cpu" and zero.stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer needs stage >= 1 (got stage 0); set "
+                          "\"stage\": 1 or 2")
+    from ..zero.data_parallel import DataParallelStrategy
+    return DataParallelStrategy(
+        stage=zero.stage, param_groups=groups, group=dp_group, device=device,
+        compute_dtype=cfg.compute_dtype if not cfg.torch_autocast.enabled else torch.float32,
+        bucket_elems=int(zero.reduce_bucket_size), overlap_comm=bool(zero.overlap_comm),
+        comm_dtype=cfg.communication_dtype, predivide=float(cfg.gradient_predivide_factor),
+        offload_device=torch.device("cpu") if offload == "cpu" else None,
+        pin_memory=bool(zero.offload_optimizer and zero.offload_optimizer.pin_memory),
+        frozen=frozen)
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
+               optimizer: Optional[Union[torch.optim.Optimizer, Callable]] = None,
+               model_parameters: Optional[Iterable[Any]] = None, training_data: Any = None,
+               lr_scheduler: Any = None, mpu: Any = None, dist_init_required: Optional[bool] = None,
+               collate_fn: Optional[Callable] = None, config: Any = None,
+               config_params: Any = None) -> Tuple[ShardwiseEngine, Any, Any, Any]:
+    """Wrap ``model`` for training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    Arguments and semantics follow ``deepspeed.initialize``. ``optimizer`` and
+    ``lr_scheduler`` may be objects or callables (called with the parameters / the
+    optimizer); ``training_data`` gives a data-parallel loader of micro batches.
+    """
+    if model is None:
+        raise ConfigError("initialize(): model is required (got None)")
+    if mpu is not None:
+        raise ConfigError("initialize(): mpu (model parallelism) is not supported; shardwise "
+                          "is data-parallel (ZeRO) only — pass mpu=None")
+    init_distributed(dist_init_required=dist_init_required)
+    dp_group = None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    effects = apply_script_args(args) if (apply_script_args is not None and args is not None) else None
+    cfg = load_config(config, args=args, config_params=config_params, world_size=world)
+    cfg.resolve_auto(hidden_size=_hidden_size(model))
+    for note in getattr(effects, "notes", ()) or ():
+        log_dist(note, ranks=[0])
+
+    acc = get_accelerator()
+    local_rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
+    device = acc.device(local_rank if acc.kind in ("cuda", "xpu") else None)
+    acc.set_device(local_rank) if acc.kind in ("cuda", "xpu") else None
+    if cfg.fp16.enabled and not acc.is_fp16_supported():
+        raise ConfigError(f"fp16.enabled is true but {acc.kind} cannot compute in fp16")
+    if cfg.bf16.enabled and not acc.is_bf16_supported():
+        raise ConfigError(f"bf16.enabled is true but this {acc.kind} device has no bf16 support; "
+                          "use fp16 or fp32")
+
+    params = _model_parameters(model, model_parameters)
+    if cfg.zero_optimization.stage < 3:
+        dtype = cfg.compute_dtype if not cfg.torch_autocast.enabled else torch.float32
+        model.to(device=device, dtype=dtype)
+    opt = _build_optimizer(optimizer, cfg, params, device)
+    groups, frozen = _named_groups(model, opt)
+    if opt is not None and type(opt).__name__ == "Lamb" and cfg.zero_optimization.stage >= 1 and world > 1:
+        raise ConfigError("optimizer Lamb computes a trust ratio per whole tensor, which ZeRO "
+                          f"stage {cfg.zero_optimization.stage} splits across {world} ranks; use "
+                          "stage 0 or another optimizer")
+    strategy = _build_strategy(cfg, model, groups, frozen, device, dp_group) if opt is not None else None
+    scaler = None
+    if cfg.fp16.enabled:
+        from ..precision import create_loss_scaler
+        scaler = create_loss_scaler(cfg.fp16)
+
+    engine_kwargs = dict(module=model, config=cfg, optimizer=opt, lr_scheduler=None,
+                         strategy=strategy, loss_scaler=scaler, device=device, dp_group=dp_group)
+    engine = ShardwiseEngine(**engine_kwargs)
+    engine.lr_scheduler = _build_scheduler(lr_scheduler, cfg, engine.optimizer.inner if opt else None)
+    if training_data is not None:
+        engine.training_dataloader = ShardwiseDataLoader(
+            training_data, batch_size=engine.train_micro_batch_size_per_gpu(), rank=rank,
+            world_size=world, collate_fn=collate_fn,
+            num_workers=getattr(effects, "dataloader_num_workers", None),
+            pin_memory=getattr(effects, "pin_memory", None), seed=cfg.seed or 0)
+    _configure_activation_checkpointing(cfg, model)
+    log_dist(f"shardwise engine: ZeRO stage {cfg.zero_optimization.stage}, "
+             f"{str(cfg.compute_dtype).replace('torch.', '')}, world size {world}, device {device}, "
+             f"micro batch {cfg.train_micro_batch_size_per_gpu} x GA "
+             f"{cfg.gradient_accumulation_steps} = {cfg.train_batch_size}", ranks=[0])
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _configure_activation_checkpointing(cfg: ShardwiseConfig, model: torch.nn.Module) -> None:
+    section = cfg.activation_checkpointing
+    try:
+        from ..activation import configure_from_engine
+    except ImportError:
+        return
+    configure_from_engine(section, model)
+
+
+__all__ = ["initialize", "add_config_arguments"]

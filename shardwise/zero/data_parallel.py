@@ -1,0 +1,236 @@
+"""ZeRO stages 0, 1 and 2 over torch.distributed, with optional optimizer offload to CPU.
+
+- Stage 0: every rank keeps everything; gradients are all-reduced bucket by bucket as
+  backward produces them (like DDP).
+- Stage 1: optimizer states and fp32 masters are partitioned; gradients are reduce-scattered
+  once backward has finished, then the updated slices are all-gathered.
+- Stage 2: as stage 1, but each bucket's reduce-scatter starts as soon as its last gradient
+  arrives, overlapping the rest of backward (``overlap_comm``).
+
+Inside a gradient-accumulation window nothing is communicated: gradients accumulate in the
+fp32 bucket buffers and are reduced once, on the boundary micro step.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_gather_flat, reduce_scatter_flat
+from .flat_buckets import Bucket, ParamSlot, build_bucket, grad_view, plan_buckets
+from .shard_view import ShardView
+from .strategy import ZeroStrategy
+
+
+class DataParallelStrategy(ZeroStrategy):
+    def __init__(self, *, stage: int, param_groups: Sequence[Sequence[tuple]],
+                 group: Optional[dist.ProcessGroup], device: torch.device,
+                 compute_dtype: torch.dtype, bucket_elems: int, overlap_comm: bool,
+                 comm_dtype: Optional[torch.dtype], predivide: float,
+                 offload_device: Optional[torch.device] = None, pin_memory: bool = False,
+                 frozen: Sequence[tuple] = ()) -> None:
+        self.stage = stage
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.partitioned = stage >= 1 and self.world > 1
+        self.grads_partitioned = self.partitioned
+        # stages 0 and 2 reduce during backward by definition; stage 1 only when asked
+        self.overlap = overlap_comm or stage in (0, 2)
+        self.comm_dtype = comm_dtype if comm_dtype not in (None, torch.float32) else None
+        self.predivide = predivide
+        self.offload = offload_device is not None
+        master_device = offload_device if self.offload else device
+        self.frozen = list(frozen)
+        self.buckets: List[Bucket] = []
+        self.groups: List[List[Bucket]] = []
+        for gi, named in enumerate(param_groups):
+            group_buckets = []
+            for run in plan_buckets(list(reversed(list(named))), bucket_elems):
+                bucket = build_bucket(len(self.buckets), gi, run, world=self.world,
+                                      rank=self.rank, partitioned=self.partitioned,
+                                      compute_dtype=compute_dtype, device=device,
+                                      master_device=master_device, pin=pin_memory)
+                self.buckets.append(bucket)
+                group_buckets.append(bucket)
+            self.groups.append(group_buckets)
+        self._slot_of: Dict[torch.nn.Parameter, tuple] = {}
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                self._slot_of[slot.param] = (bucket, slot)
+        self._boundary = False
+        self._direct_grads = compute_dtype == torch.float32
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
+                       for b in self.buckets for slot in b.slots]
+        self._attach_grad_views()
+        self.copy_stream = None
+        if self.offload and device.type == "cuda":
+            self.copy_stream = torch.cuda.Stream(device=device)
+
+    # --- parameter groups for the inner optimizer -------------------------------------
+    def master_param_groups(self) -> List[List[torch.Tensor]]:
+        groups = []
+        for group_buckets in self.groups:
+            masters = [slot.master for b in group_buckets for slot in b.slots
+                       if slot.master is not None]
+            groups.append(masters)
+        return groups
+
+    # --- backward -----------------------------------------------------------------------
+    def _attach_grad_views(self) -> None:
+        # fp32 parameters: autograd accumulates straight into the bucket (no copy, no hook work).
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                slot.param.grad = grad_view(bucket, slot) if self._direct_grads else None
+
+    def before_backward(self, boundary: bool) -> None:
+        self._boundary = boundary
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.slots)
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        bucket, slot = self._slot_of[param]
+        view = grad_view(bucket, slot)
+        grad = param.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            view.add_(grad)
+            param.grad = view if self._direct_grads else None
+        bucket.pending -= 1
+        if bucket.pending == 0 and self._boundary and self.overlap:
+            self._launch(bucket)
+
+    def after_backward(self, boundary: bool) -> None:
+        if not boundary:
+            return
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the bucket's reduction (all-reduce for stage 0, reduce-scatter otherwise)."""
+        if bucket.work is not None:
+            return
+        if self.world == 1:
+            bucket.work = _DONE
+            return
+        src = bucket.grad_buf
+        if self.predivide != 1.0:
+            src.div_(self.predivide)
+        if self.comm_dtype is not None:
+            if bucket.comm_buf is None:
+                bucket.comm_buf = torch.empty(bucket.numel, dtype=self.comm_dtype, device=self.device)
+            bucket.comm_buf.copy_(src)
+            src = bucket.comm_buf
+        if not self.partitioned:
+            bucket.work = dist.all_reduce(src, group=self.group, async_op=True)
+        else:
+            # a separate output chunk: the input must stay intact while the collective runs
+            out = bucket.extra.get("rs_out")
+            if out is None or out.dtype != src.dtype:
+                out = torch.empty(bucket.hi - bucket.lo, dtype=src.dtype, device=self.device)
+                bucket.extra["rs_out"] = out
+            bucket.work = reduce_scatter_flat(out, src, group=self.group, async_op=True)
+        bucket.extra["src"] = src
+
+    # --- step -----------------------------------------------------------------------------
+    def master_grads(self) -> List[torch.Tensor]:
+        """Wait for every reduction and return the fp32 gradients of this rank's masters.
+
+        The values are sums over ranks (times 1/predivide); the engine folds the averaging
+        divisor into the single scale factor it applies afterwards (``grad_divisor``).
+        """
+        out = []
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+            bucket.work.wait()
+            bucket.work = None
+            reduced = bucket.extra.pop("src", bucket.grad_buf)
+            reduced = bucket.extra["rs_out"] if self.partitioned else reduced[bucket.lo:bucket.hi]
+            if reduced.data_ptr() != bucket.master_grad.data_ptr():
+                bucket.master_grad.copy_(reduced, non_blocking=self.offload)
+            out.append(bucket.master_grad)
+        if self.offload and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
+
+    @property
+    def grad_divisor(self) -> float:
+        """What the reduced sums must be divided by to become the data-parallel mean."""
+        return self.world / self.predivide if self.world > 1 else 1.0
+
+    def after_step(self, applied: bool) -> None:
+        if not applied:
+            return
+        with torch.no_grad():
+            for bucket in self.buckets:
+                own = bucket.param_buf[bucket.lo:bucket.hi]
+                if own.data_ptr() != bucket.master.data_ptr():
+                    own.copy_(bucket.master, non_blocking=self.offload)
+            if self.partitioned:
+                works = [all_gather_flat(b.param_buf, b.param_buf[b.lo:b.hi], group=self.group,
+                                         async_op=True) for b in self.buckets]
+                for w in works:
+                    w.wait()
+
+    def zero_grads(self) -> None:
+        for bucket in self.buckets:
+            bucket.grad_buf.zero_()
+            if bucket.master_grad.data_ptr() != bucket.grad_buf.data_ptr():
+                bucket.master_grad.zero_()
+        self._attach_grad_views()
+
+    # --- checkpoint contract -------------------------------------------------------------
+    def shard_views(self) -> List[ShardView]:
+        views = []
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                lo, hi = slot.own_lo, slot.own_hi
+                flat = slot.param.data.view(-1)
+                views.append(ShardView(name=slot.name, param=slot.param,
+                                       global_shape=slot.param.shape, start=lo, end=hi,
+                                       weight=flat[lo:hi], master=slot.master))
+        for name, p in self.frozen:
+            n = p.numel() if self.rank == 0 else 0
+            views.append(ShardView(name=name, param=p, global_shape=p.shape, start=0, end=n,
+                                   weight=p.data.view(-1)[:n], master=None))
+        return views
+
+    def refresh_after_load(self, weights_only: bool = False) -> None:
+        with torch.no_grad():
+            for bucket in self.buckets:
+                own = bucket.param_buf[bucket.lo:bucket.hi]
+                if own.data_ptr() == bucket.master.data_ptr():
+                    continue
+                if weights_only:
+                    bucket.master.copy_(own)
+                else:
+                    own.copy_(bucket.master)
+            if self.world > 1:
+                if self.partitioned:
+                    for b in self.buckets:
+                        all_gather_flat(b.param_buf, b.param_buf[b.lo:b.hi], group=self.group)
+                for _, p in self.frozen:
+                    dist.broadcast(p.data, src=_global_rank(self.group, 0), group=self.group)
+
+    def no_sync_allowed(self) -> Optional[str]:
+        return None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def _global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()

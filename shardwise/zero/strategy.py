@@ -1,0 +1,61 @@
+"""The interface every ZeRO stage implements; the engine calls only these methods.
+
+One training step, as the engine drives it::
+
+    strategy.before_backward(boundary)      # every micro step
+    loss.backward()
+    strategy.after_backward(boundary)       # flush reductions still pending
+    # on the boundary only:
+    grads = strategy.master_grads()         # fp32, reduced, this rank's part (waits)
+    ... engine: overflow check, global norm, one scale factor applied to `grads` ...
+    optimizer.inner.step()                  # steps the masters
+    strategy.after_step()                   # masters -> compute params (+ all-gather)
+    strategy.zero_grads()
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .shard_view import ShardView
+
+
+class ZeroStrategy:
+    """Base class: documents the contract; stages 0-2 and 3 subclass it."""
+
+    stage: int = 0
+    grads_partitioned: bool = False
+    """True when each rank holds only part of the gradients, so the global norm needs an
+    all-reduce of the local sums of squares."""
+
+    def master_param_groups(self) -> List[List[torch.Tensor]]:
+        """Per optimizer param group, the fp32 tensors the inner optimizer steps."""
+        raise NotImplementedError
+
+    def before_backward(self, boundary: bool) -> None:
+        """Called before ``loss.backward()`` on every micro step."""
+
+    def after_backward(self, boundary: bool) -> None:
+        """Called after ``loss.backward()``; on the boundary it starts pending reductions."""
+
+    def master_grads(self) -> List[torch.Tensor]:
+        """Wait for the reductions; return the fp32 gradient buffers of this rank's masters."""
+        raise NotImplementedError
+
+    def after_step(self, applied: bool) -> None:
+        """Write updated masters back into the compute-dtype parameters."""
+
+    def zero_grads(self) -> None:
+        raise NotImplementedError
+
+    def shard_views(self) -> List[ShardView]:
+        raise NotImplementedError
+
+    def refresh_after_load(self, weights_only: bool = False) -> None:
+        """Make every copy consistent after a checkpoint wrote into the owned views."""
+        raise NotImplementedError
+
+    def no_sync_allowed(self) -> Optional[str]:
+        """None if ``engine.no_sync()`` is allowed, else the reason it is not."""
+        return None
