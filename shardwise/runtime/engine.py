@@ -181,8 +181,8 @@ class ShardwiseEngine(torch.nn.Module):
             log_dist(f"step {self.global_steps}: gradient overflow, step skipped; loss scale "
                      f"now {self.loss_scaler.cur_scale:g}", ranks=[0])
             return
-        self._scale_and_clip(grads)
-        self.optimizer.inner.step()
+        factor = self._grad_factor(grads)
+        self.strategy.optimizer_step(self.optimizer.inner, factor)
         self.strategy.after_step(True)
         self.strategy.zero_grads()
         if self.loss_scaler is not None:
@@ -202,8 +202,10 @@ class ShardwiseEngine(torch.nn.Module):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
         return bool(flag.item())
 
-    def _scale_and_clip(self, grads: List[torch.Tensor]) -> None:
-        """One multiply per buffer: 1/(DP divisor × loss scale), times the clip coefficient."""
+    def _grad_factor(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The one multiply that turns reduced sums into the update's gradients:
+        1/(DP divisor × loss scale), times the clip coefficient (None: nothing to do).
+        Also records the global norm; no host sync happens here."""
         inv = 1.0 / self.strategy.grad_divisor
         if self.loss_scaler is not None:
             inv /= self.loss_scaler.cur_scale
@@ -216,13 +218,10 @@ class ShardwiseEngine(torch.nn.Module):
         norm = sumsq.sqrt() * inv
         self._global_grad_norm = norm
         if clip > 0:
-            factor = inv * torch.clamp(clip / (norm + 1e-6), max=1.0)
-        elif inv != 1.0:
-            factor = torch.tensor(inv, device=self.device)
-        else:
-            return
-        for g in grads:
-            g.mul_(factor.to(g.device, non_blocking=True))
+            return inv * torch.clamp(clip / (norm + 1e-6), max=1.0)
+        if inv != 1.0:
+            return torch.tensor(inv, device=self.device)
+        return None
 
     # --- counters and queries ----------------------------------------------------------------------
     def was_step_applied(self) -> bool:

@@ -104,6 +104,10 @@ def _build_strategy(cfg: ShardwiseConfig, model: torch.nn.Module, groups, frozen
         return Stage3Strategy(config=cfg, module=model, param_groups=groups, frozen=frozen,
                               group=dp_group, device=device)
     offload = zero.offload_optimizer_device
+    oo = zero.offload_optimizer if offload != "none" else None
+    if oo is not None and getattr(oo, "delayed_update", False) and float(getattr(oo, "ratio", 1.0)) < 1.0:
+        raise ConfigError(f"zero_optimization.offload_optimizer: delayed_update needs ratio 1.0 "
+                          f"(got ratio {oo.ratio}); the delayed update applies to the whole optimizer")
     if offload == "nvme":
         raise ConfigError("zero_optimization.offload_optimizer.device \"nvme\" is not supported "
                           "for stages 0-2; use \"cpu\" (stage 3 offloads to NVMe)")
@@ -117,7 +121,10 @@ def _build_strategy(cfg: ShardwiseConfig, model: torch.nn.Module, groups, frozen
         bucket_elems=int(zero.reduce_bucket_size), overlap_comm=bool(zero.overlap_comm),
         comm_dtype=cfg.communication_dtype, predivide=float(cfg.gradient_predivide_factor),
         offload_device=torch.device("cpu") if offload == "cpu" else None,
-        pin_memory=bool(zero.offload_optimizer and zero.offload_optimizer.pin_memory),
+        pin_memory=bool(oo and oo.pin_memory), offload_ratio=float(getattr(oo, "ratio", 1.0) or 1.0),
+        delayed_update=bool(getattr(oo, "delayed_update", False)),
+        delayed_update_warmup=int(getattr(oo, "delayed_update_warmup", 0) or 0),
+        eager_offload_step=not cfg.fp16.enabled and not float(cfg.gradient_clipping or 0) > 0,
         frozen=frozen)
 
 
@@ -144,7 +151,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
     rank = dist.get_rank() if dist.is_initialized() else 0
     effects = apply_script_args(args) if (apply_script_args is not None and args is not None) else None
     cfg = load_config(config, args=args, config_params=config_params, world_size=world)
-    cfg.resolve_auto(hidden_size=_hidden_size(model))
+    client_lr = optimizer.param_groups[0]["lr"] if isinstance(optimizer, torch.optim.Optimizer) else None
+    cfg.resolve_auto(hidden_size=_hidden_size(model), optimizer_lr=client_lr)
     for note in getattr(effects, "notes", ()) or ():
         log_dist(note, ranks=[0])
 

@@ -27,6 +27,7 @@ class ZeroOptimizer:
         for group, params in zip(inner.param_groups, masters):
             group["params"] = params
         inner.state.clear()
+        strategy.bind_optimizer(inner)
         if hasattr(inner, "_patch_step_function"):
             inner._patch_step_function()
 

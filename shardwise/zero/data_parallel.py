@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_flat, reduce_scatter_flat
+from ..offload.optimizer_offload import OptimizerOffload
 from .flat_buckets import Bucket, ParamSlot, build_bucket, grad_view, plan_buckets
 from .shard_view import ShardView
 from .strategy import ZeroStrategy
@@ -29,6 +30,8 @@ class DataParallelStrategy(ZeroStrategy):
                  compute_dtype: torch.dtype, bucket_elems: int, overlap_comm: bool,
                  comm_dtype: Optional[torch.dtype], predivide: float,
                  offload_device: Optional[torch.device] = None, pin_memory: bool = False,
+                 offload_ratio: float = 1.0, delayed_update: bool = False,
+                 delayed_update_warmup: int = 0, eager_offload_step: bool = False,
                  frozen: Sequence[tuple] = ()) -> None:
         self.stage = stage
         self.group = group
@@ -43,17 +46,25 @@ class DataParallelStrategy(ZeroStrategy):
         self.comm_dtype = comm_dtype if comm_dtype not in (None, torch.float32) else None
         self.predivide = predivide
         self.offload = offload_device is not None
-        master_device = offload_device if self.offload else device
         self.frozen = list(frozen)
+        total = sum(p.numel() for named in param_groups for _, p in named)
+        offload_budget = total * offload_ratio if self.offload else 0
+        placed = 0
         self.buckets: List[Bucket] = []
         self.groups: List[List[Bucket]] = []
         for gi, named in enumerate(param_groups):
             group_buckets = []
             for run in plan_buckets(list(reversed(list(named))), bucket_elems):
+                size = sum(p.numel() for _, p in run)
+                # offload_optimizer.ratio: the first `ratio` of the elements go to the CPU
+                offloaded = self.offload and placed + size / 2 <= offload_budget
+                placed += size
                 bucket = build_bucket(len(self.buckets), gi, run, world=self.world,
                                       rank=self.rank, partitioned=self.partitioned,
                                       compute_dtype=compute_dtype, device=device,
-                                      master_device=master_device, pin=pin_memory)
+                                      master_device=offload_device if offloaded else device,
+                                      pin=pin_memory, separate_master=offloaded)
+                bucket.extra["offloaded"] = offloaded
                 self.buckets.append(bucket)
                 group_buckets.append(bucket)
             self.groups.append(group_buckets)
@@ -66,9 +77,22 @@ class DataParallelStrategy(ZeroStrategy):
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for slot in b.slots]
         self._attach_grad_views()
-        self.copy_stream = None
-        if self.offload and device.type == "cuda":
-            self.copy_stream = torch.cuda.Stream(device=device)
+        self.inner: Optional[torch.optim.Optimizer] = None
+        self.pipeline: Optional[OptimizerOffload] = None
+        offloaded = [b for b in self.buckets if b.extra["offloaded"]]
+        if offloaded:
+            self.pipeline = OptimizerOffload(offloaded, device=device, compute_dtype=compute_dtype,
+                                             pin=pin_memory, delayed=delayed_update,
+                                             warmup=delayed_update_warmup)
+            self.pipeline.resident = [s.master for b in self.buckets if not b.extra["offloaded"]
+                                      for s in b.slots if s.master is not None]
+        # eager: step each offloaded bucket on the CPU while backward still runs (the update
+        # needs no global information: no clipping, no loss scale, everything offloaded)
+        self.eager = (self.pipeline is not None and eager_offload_step and not delayed_update
+                      and len(offloaded) == len(self.buckets))
+
+    def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
 
     # --- parameter groups for the inner optimizer -------------------------------------
     def master_param_groups(self) -> List[List[torch.Tensor]]:
@@ -88,6 +112,9 @@ class DataParallelStrategy(ZeroStrategy):
 
     def before_backward(self, boundary: bool) -> None:
         self._boundary = boundary
+        if boundary and self.pipeline is not None:
+            # a delayed update still reads the pinned gradients this backward will overwrite
+            self.pipeline.wait_tasks()
         for bucket in self.buckets:
             bucket.pending = len(bucket.slots)
 
@@ -115,6 +142,11 @@ class DataParallelStrategy(ZeroStrategy):
             return
         if self.world == 1:
             bucket.work = _DONE
+            bucket.extra["src"] = bucket.grad_buf
+            if bucket.extra["offloaded"]:
+                self.pipeline.grad_ready(bucket, self._reduced(bucket), None)
+                if self.eager:
+                    self.pipeline.eager_step_bucket(self.inner, bucket, 1.0)
             return
         src = bucket.grad_buf
         if self.predivide != 1.0:
@@ -130,17 +162,33 @@ class DataParallelStrategy(ZeroStrategy):
             # a separate output chunk: the input must stay intact while the collective runs
             out = bucket.extra.get("rs_out")
             if out is None or out.dtype != src.dtype:
-                out = torch.empty(bucket.hi - bucket.lo, dtype=src.dtype, device=self.device)
+                direct = (not bucket.extra["offloaded"] and src.dtype == bucket.master_grad.dtype)
+                out = (bucket.master_grad if direct else
+                       torch.empty(bucket.hi - bucket.lo, dtype=src.dtype, device=self.device))
                 bucket.extra["rs_out"] = out
             bucket.work = reduce_scatter_flat(out, src, group=self.group, async_op=True)
         bucket.extra["src"] = src
+        if bucket.extra["offloaded"]:
+            work, bucket.work = bucket.work, _DONE
+            if work is _DONE:
+                work = None
+            self.pipeline.grad_ready(bucket, self._reduced(bucket), work)
+            if self.eager:
+                self.pipeline.eager_step_bucket(self.inner, bucket, 1.0 / self.grad_divisor)
 
     # --- step -----------------------------------------------------------------------------
+    def _reduced(self, bucket: Bucket) -> torch.Tensor:
+        """The device tensor that holds this rank's reduced gradient slice of ``bucket``."""
+        if self.partitioned:
+            return bucket.extra["rs_out"]
+        return bucket.extra.get("src", bucket.grad_buf)[bucket.lo:bucket.hi]
+
     def master_grads(self) -> List[torch.Tensor]:
-        """Wait for every reduction and return the fp32 gradients of this rank's masters.
+        """Wait for every reduction; return this rank's reduced gradient slices (on the device,
+        also when offloaded, so the norm and overflow checks never read CPU memory).
 
         The values are sums over ranks (times 1/predivide); the engine folds the averaging
-        divisor into the single scale factor it applies afterwards (``grad_divisor``).
+        divisor into the single scale factor it hands to ``optimizer_step``.
         """
         out = []
         for bucket in self.buckets:
@@ -148,14 +196,24 @@ class DataParallelStrategy(ZeroStrategy):
                 self._launch(bucket)
             bucket.work.wait()
             bucket.work = None
-            reduced = bucket.extra.pop("src", bucket.grad_buf)
-            reduced = bucket.extra["rs_out"] if self.partitioned else reduced[bucket.lo:bucket.hi]
-            if reduced.data_ptr() != bucket.master_grad.data_ptr():
-                bucket.master_grad.copy_(reduced, non_blocking=self.offload)
-            out.append(bucket.master_grad)
-        if self.offload and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            reduced = self._reduced(bucket)
+            if not bucket.extra["offloaded"] and reduced.data_ptr() != bucket.master_grad.data_ptr():
+                bucket.master_grad.copy_(reduced)
+            out.append(reduced)
         return out
+
+    def optimizer_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
+        """Apply the engine's scale factor to the master gradients and step the optimizer."""
+        for bucket in self.buckets:
+            if factor is not None and not bucket.extra["offloaded"]:
+                bucket.master_grad.mul_(factor)
+        if self.pipeline is None:
+            inner.step()
+            return
+        if self.pipeline.resident:
+            inner.step()  # the device-resident part (offload ratio < 1); offloaded grads are None
+        self.pipeline.step(inner, self.eager,
+                           lambda: float(factor) if factor is not None else None)
 
     @property
     def grad_divisor(self) -> float:
@@ -168,8 +226,8 @@ class DataParallelStrategy(ZeroStrategy):
         with torch.no_grad():
             for bucket in self.buckets:
                 own = bucket.param_buf[bucket.lo:bucket.hi]
-                if own.data_ptr() != bucket.master.data_ptr():
-                    own.copy_(bucket.master, non_blocking=self.offload)
+                if not bucket.extra["offloaded"] and own.data_ptr() != bucket.master.data_ptr():
+                    own.copy_(bucket.master)
             if self.partitioned:
                 works = [all_gather_flat(b.param_buf, b.param_buf[b.lo:b.hi], group=self.group,
                                          async_op=True) for b in self.buckets]
@@ -177,14 +235,25 @@ class DataParallelStrategy(ZeroStrategy):
                     w.wait()
 
     def zero_grads(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.protect_device_grads()
         for bucket in self.buckets:
             bucket.grad_buf.zero_()
-            if bucket.master_grad.data_ptr() != bucket.grad_buf.data_ptr():
+            # offloaded slices are overwritten whole by the next copy; a delayed update may
+            # still be reading them
+            if (bucket.master_grad.data_ptr() != bucket.grad_buf.data_ptr()
+                    and not bucket.extra["offloaded"]):
                 bucket.master_grad.zero_()
         self._attach_grad_views()
 
     # --- checkpoint contract -------------------------------------------------------------
+    def flush(self) -> None:
+        """Finish any delayed (DPU) update so the parameters reflect every step taken."""
+        if self.pipeline is not None:
+            self.pipeline.flush()
+
     def shard_views(self) -> List[ShardView]:
+        self.flush()
         views = []
         for bucket in self.buckets:
             for slot in bucket.slots:
@@ -200,6 +269,7 @@ class DataParallelStrategy(ZeroStrategy):
         return views
 
     def refresh_after_load(self, weights_only: bool = False) -> None:
+        self.flush()
         with torch.no_grad():
             for bucket in self.buckets:
                 own = bucket.param_buf[bucket.lo:bucket.hi]

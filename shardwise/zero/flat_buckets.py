@@ -81,7 +81,7 @@ def plan_buckets(named_params: Sequence[tuple], bucket_elems: int) -> List[List[
 
 def build_bucket(index: int, group_index: int, run: List[tuple], *, world: int, rank: int,
                  partitioned: bool, compute_dtype: torch.dtype, device: torch.device,
-                 master_device: torch.device, pin: bool) -> Bucket:
+                 master_device: torch.device, pin: bool, separate_master: bool = False) -> Bucket:
     """Allocate one bucket's buffers and point the parameters' data into ``param_buf``."""
     total = sum(p.numel() for _, p in run)
     numel = -(-total // world) * world if partitioned else total
@@ -100,14 +100,14 @@ def build_bucket(index: int, group_index: int, run: List[tuple], *, world: int, 
             slots.append(ParamSlot(name=name, param=p, offset=offset, own_lo=own_lo, own_hi=own_hi))
             offset += n
     shares_memory = (compute_dtype == torch.float32 and master_device == device
-                     and not partitioned)
+                     and not partitioned and not separate_master)
     if shares_memory:
         master, master_grad = param_buf, grad_buf
     else:
         master = param_buf[lo:hi].to(device=master_device, dtype=torch.float32, copy=True)
         if master_device != device and pin:
             master = master.pin_memory()
-        if partitioned or master_device != device:
+        if partitioned or master_device != device or separate_master:
             master_grad = torch.zeros(hi - lo, dtype=torch.float32, device=master_device)
             if master_device != device and pin:
                 master_grad = master_grad.pin_memory()

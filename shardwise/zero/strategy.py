@@ -7,8 +7,8 @@ One training step, as the engine drives it::
     strategy.after_backward(boundary)       # flush reductions still pending
     # on the boundary only:
     grads = strategy.master_grads()         # fp32, reduced, this rank's part (waits)
-    ... engine: overflow check, global norm, one scale factor applied to `grads` ...
-    optimizer.inner.step()                  # steps the masters
+    ... engine: overflow check, global norm -> one scale factor ...
+    strategy.optimizer_step(inner, factor)  # applies the factor, steps the masters
     strategy.after_step()                   # masters -> compute params (+ all-gather)
     strategy.zero_grads()
 """
@@ -42,6 +42,16 @@ class ZeroStrategy:
     def master_grads(self) -> List[torch.Tensor]:
         """Wait for the reductions; return the fp32 gradient buffers of this rank's masters."""
         raise NotImplementedError
+
+    def optimizer_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
+        """Multiply the master gradients by ``factor`` (None: leave them) and step ``inner``."""
+        raise NotImplementedError
+
+    def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
+        """Called once the inner optimizer steps this strategy's masters."""
+
+    def flush(self) -> None:
+        """Finish deferred work (a delayed update) so the parameters are current."""
 
     def after_step(self, applied: bool) -> None:
         """Write updated masters back into the compute-dtype parameters."""

@@ -1,0 +1,169 @@
+"""Optimizer offload (ZeRO-Offload) for stages 1 and 2: fp32 masters, optimizer states and
+the optimizer step on the CPU, with the copies and the CPU work overlapped with the GPU.
+
+The pipeline, per optimizer step:
+
+1. During the boundary backward, as each bucket's gradients are final (and reduced), its
+   fp32 gradient slice is copied to pinned CPU memory on a side stream (no host sync).
+2. *Eager mode* (no clipping, no fp16 — the update is known as soon as a bucket's
+   gradients are): a worker thread steps that bucket on the CPU right away, while the GPU is
+   still running backward for earlier layers, and casts the result into a pinned
+   compute-dtype staging buffer. Otherwise the step runs once every gradient has arrived.
+3. The staging buffers are copied back into the parameters (host-to-device, async).
+
+*Delayed parameter update* (DPU, ZeRO-Offload paper §4.3, opt-in): after
+``delayed_update_warmup`` normal steps, step ``t``'s CPU update runs in the background during
+step ``t+1``'s forward and backward, and its result reaches the GPU at the end of step
+``t+1``: ``w[t+1] = w[t] - u(g(w[t-1]))`` — parameters are one step stale.
+
+Pinned buffers are allocated once, at construction, and reused every step.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from ..zero.flat_buckets import Bucket
+
+
+class OptimizerOffload:
+    def __init__(self, buckets: Sequence[Bucket], *, device: torch.device,
+                 compute_dtype: torch.dtype, pin: bool, delayed: bool, warmup: int) -> None:
+        self.buckets = list(buckets)
+        self.resident: List[torch.Tensor] = []
+        """Masters that stay on the device (``ratio`` < 1): hidden from the CPU step."""
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-offload")
+        self.delayed = delayed
+        self.warmup = max(int(warmup), 0)
+        self.steps_done = 0
+        self._futures: List[Future] = []
+        self._grad_events: dict = {}
+        self._h2d_event: Optional[torch.cuda.Event] = None
+        for b in self.buckets:
+            stage = torch.empty(b.hi - b.lo, dtype=compute_dtype)
+            b.extra["param_stage"] = stage.pin_memory() if (pin and self.cuda) else stage
+        for b in self.buckets:
+            for slot in b.slots:
+                if slot.master is not None:
+                    slot.master.grad = None  # attached only while that bucket is stepped
+
+    # --- 1. gradients to the CPU ------------------------------------------------------------
+    def grad_ready(self, bucket: Bucket, reduced: torch.Tensor, work) -> None:
+        """Queue the device-to-host copy of a bucket's reduced gradient slice."""
+        if not self.cuda:
+            if work is not None:
+                work.wait()
+            bucket.master_grad.copy_(reduced)
+            self._grad_events[bucket.index] = None
+            return
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            if work is not None:
+                work.wait()  # NCCL: makes the copy stream wait for the collective, not the host
+            bucket.master_grad.copy_(reduced, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._grad_events[bucket.index] = event
+
+    def wait_grads(self) -> None:
+        for event in self._grad_events.values():
+            if event is not None:
+                event.synchronize()
+
+    def protect_device_grads(self) -> None:
+        """The compute stream must not zero the device gradients before the copies read them."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    # --- 2. the CPU step ------------------------------------------------------------------------
+    def _step_buckets(self, inner: torch.optim.Optimizer, buckets: Sequence[Bucket],
+                      prescale: Optional[float]) -> None:
+        masters = []
+        for b in buckets:
+            event = self._grad_events.get(b.index)
+            if event is not None:
+                event.synchronize()
+            if prescale is not None and prescale != 1.0:
+                b.master_grad.mul_(prescale)
+            for slot in b.slots:
+                if slot.master is not None:
+                    slot.master.grad = b.master_grad[slot.offset + slot.own_lo - b.lo:
+                                                     slot.offset + slot.own_hi - b.lo]
+                    masters.append(slot.master)
+        hidden = [(m, m.grad) for m in self.resident]
+        for m, _ in hidden:
+            m.grad = None
+        inner.step()
+        for m in masters:
+            m.grad = None
+        for m, g in hidden:
+            m.grad = g
+
+    def _stage_params(self, buckets: Sequence[Bucket]) -> None:
+        if self._h2d_event is not None:
+            self._h2d_event.synchronize()  # the previous host-to-device copy still reads these
+        for b in buckets:
+            b.extra["param_stage"].copy_(b.master)
+
+    def eager_step_bucket(self, inner: torch.optim.Optimizer, bucket: Bucket,
+                          prescale: float) -> None:
+        """Step one bucket in the background as soon as its gradients are on their way."""
+        def task() -> None:
+            self._step_buckets(inner, [bucket], prescale)
+            self._stage_params([bucket])
+        self._futures.append(self.pool.submit(task))
+
+    def step(self, inner: torch.optim.Optimizer, eager: bool,
+             factor_fn: Callable[[], Optional[float]]) -> None:
+        """Run (or finish) this step's CPU update. ``factor_fn`` gives the multiply the engine
+        computed (unscale, averaging, clipping), or None when nothing needs scaling."""
+        delayed = self.delayed and self.steps_done >= self.warmup
+        if eager and not delayed:
+            self.wait_tasks()
+        else:
+            self.wait_tasks()  # DPU: the previous step's update, normally long finished
+            if delayed:
+                self._copy_params_to_device()
+            factor = factor_fn()
+
+            def task() -> None:
+                self._step_buckets(inner, self.buckets, factor)
+                self._stage_params(self.buckets)
+            if delayed:
+                self._futures.append(self.pool.submit(task))
+            else:
+                task()
+        if not delayed:
+            self._copy_params_to_device()
+        self.steps_done += 1
+
+    def wait_tasks(self) -> None:
+        for fut in self._futures:
+            fut.result()
+        self._futures.clear()
+
+    # --- 3. parameters back to the device -------------------------------------------------------
+    def _copy_params_to_device(self) -> None:
+        with torch.no_grad():
+            for b in self.buckets:
+                b.param_buf[b.lo:b.hi].copy_(b.extra["param_stage"], non_blocking=self.cuda)
+        if self.cuda:
+            self._h2d_event = torch.cuda.Event()
+            self._h2d_event.record(torch.cuda.current_stream(self.device))
+
+    def flush(self) -> None:
+        """Bring a pending delayed update onto the device (before saving or evaluating)."""
+        if self._futures:
+            self.wait_tasks()
+            self._copy_params_to_device()
+            if self.cuda:
+                self._h2d_event.synchronize()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
