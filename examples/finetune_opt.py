@@ -63,7 +63,7 @@ class ByteCorpus(Dataset):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--local_rank", type=int, default=-1)
     parser = shardwise.add_config_arguments(parser)

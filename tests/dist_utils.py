@@ -47,8 +47,17 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
     ``fn`` must be a module-level function (spawn pickles it by name). Returns the list of
     per-rank return values; any worker exception fails the call with its traceback.
     """
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(fn, world_size, free_port(), out_dir, args, backend),
-                           nprocs=world_size, join=True, start_method="spawn")
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
-                for r in range(world_size)]
+    for attempt in range(3):
+        with tempfile.TemporaryDirectory() as out_dir:
+            try:
+                mp.start_processes(_worker, args=(fn, world_size, free_port(), out_dir, args, backend),
+                                   nprocs=world_size, join=True, start_method="spawn")
+            except mp.ProcessRaisedException as exc:
+                # another test grabbed the port between free_port() and the store's bind
+                if attempt < 2 and ("address already in use" in str(exc).lower()
+                                    or "EADDRINUSE" in str(exc)):
+                    continue
+                raise
+            return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
+                    for r in range(world_size)]
+    raise RuntimeError("unreachable")

@@ -45,7 +45,7 @@ class OptimizerOffload:
         self._grad_events: dict = {}
         self._h2d_event: Optional[torch.cuda.Event] = None
         for b in self.buckets:
-            stage = torch.empty(b.hi - b.lo, dtype=compute_dtype)
+            stage = b.master.to(compute_dtype)  # the first delayed step copies back w0 itself
             b.extra["param_stage"] = stage.pin_memory() if (pin and self.cuda) else stage
         for b in self.buckets:
             for slot in b.slots:

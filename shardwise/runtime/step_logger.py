@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Optional
 
+import psutil
 import torch
 
 from ..accelerator import get_accelerator
@@ -66,6 +67,7 @@ class StepLogger:
             line += f" loss_scale={scale:g}"
         if acc.kind != "cpu":
             line += f" peak_mem={mem:.2f}GiB"
+        line += f" host_rss={psutil.Process().memory_info().rss / 2**30:.2f}GiB"
         if self.timers.enabled:
             line += " " + self.timers.report_and_reset(self._steps)
         log_dist(line, ranks=[0])

@@ -1,4 +1,4 @@
-"""ZeRO stages 0, 1, 2 at world sizes 1, 2, 4 (gloo, spawn) against single-process torch.
+"""ZeRO stages 0, 1, 2 (and optimizer offload on 1-2) at world sizes 1, 2, 4 (gloo, spawn) against single-process torch.
 
 Parameters after 10 steps must equal a plain ``torch.optim.AdamW`` run on the same global
 batch within float32 reduction-order tolerance (rtol 1e-4, atol 1e-5), with and without
@@ -17,6 +17,8 @@ from tests.distributed._parity import engine_config, max_rel_diff, reference_par
 
 STEPS, MICRO, LR = 10, 2, 1e-2
 CASES = [(stage, ga, clip) for stage, ga, clip in itertools.product((0, 1, 2), (1, 3), (0.0, 0.05))]
+# optimizer offload (ZeRO-Offload) on stages 1 and 2: eager CPU step, clipped, partial
+OFFLOAD = [(1, 1, 0.0, 1.0), (2, 3, 0.05, 1.0), (2, 1, 0.0, 0.5)]
 
 
 def _all_cases(rank: int, world: int, fallback: bool):
@@ -25,6 +27,10 @@ def _all_cases(rank: int, world: int, fallback: bool):
     for stage, ga, clip in CASES:
         cfg = engine_config(stage, MICRO, ga, clip, LR)
         results[(stage, ga, clip)] = train_engine(rank, world, cfg, STEPS)
+    for stage, ga, clip, ratio in OFFLOAD:
+        cfg = engine_config(stage, MICRO, ga, clip, LR, zero_optimization={
+            "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": ratio}})
+        results[("offload", stage, ga, clip, ratio)] = train_engine(rank, world, cfg, STEPS)
     return results
 
 
@@ -37,3 +43,8 @@ def test_stages_match_torch_reference(world: int, fallback: bool) -> None:
         for rank, results in enumerate(per_rank):
             bad = max_rel_diff(results[(stage, ga, clip)], ref)
             assert not bad, f"stage {stage} ga {ga} clip {clip} world {world} rank {rank}: {bad}"
+    for stage, ga, clip, ratio in OFFLOAD:
+        ref = reference_params(STEPS, MICRO * ga * world, LR, clip)
+        for rank, results in enumerate(per_rank):
+            bad = max_rel_diff(results[("offload", stage, ga, clip, ratio)], ref)
+            assert not bad, f"offload stage {stage} ga {ga} ratio {ratio} world {world} rank {rank}: {bad}"
