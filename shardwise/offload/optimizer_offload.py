@@ -42,6 +42,7 @@ class OptimizerOffload:
         self.warmup = max(int(warmup), 0)
         self.steps_done = 0
         self._futures: List[Future] = []
+        self._eager_order: List[Bucket] = []
         self._grad_events: dict = {}
         self._h2d_event: Optional[torch.cuda.Event] = None
         for b in self.buckets:
@@ -118,6 +119,7 @@ class OptimizerOffload:
             self._step_buckets(inner, [bucket], prescale)
             self._stage_params([bucket])
         self._futures.append(self.pool.submit(task))
+        self._eager_order.append(bucket)
 
     def step(self, inner: torch.optim.Optimizer, eager: bool,
              factor_fn: Callable[[], Optional[float]]) -> None:
@@ -125,7 +127,13 @@ class OptimizerOffload:
         computed (unscale, averaging, clipping), or None when nothing needs scaling."""
         delayed = self.delayed and self.steps_done >= self.warmup
         if eager and not delayed:
-            self.wait_tasks()
+            # each bucket's host-to-device copy starts as soon as its CPU step is done, while
+            # the CPU steps the next one
+            for bucket, fut in zip(self._eager_order, self._futures):
+                fut.result()
+                self._copy_params_to_device([bucket])
+            self._futures.clear()
+            self._eager_order.clear()
         else:
             self.wait_tasks()  # DPU: the previous step's update, normally long finished
             if delayed:
@@ -139,7 +147,7 @@ class OptimizerOffload:
                 self._futures.append(self.pool.submit(task))
             else:
                 task()
-        if not delayed:
+        if not delayed and not eager:
             self._copy_params_to_device()
         self.steps_done += 1
 
@@ -147,11 +155,12 @@ class OptimizerOffload:
         for fut in self._futures:
             fut.result()
         self._futures.clear()
+        self._eager_order.clear()
 
     # --- 3. parameters back to the device -------------------------------------------------------
-    def _copy_params_to_device(self) -> None:
+    def _copy_params_to_device(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
         with torch.no_grad():
-            for b in self.buckets:
+            for b in (self.buckets if buckets is None else buckets):
                 b.param_buf[b.lo:b.hi].copy_(b.extra["param_stage"], non_blocking=self.cuda)
         if self.cuda:
             self._h2d_event = torch.cuda.Event()

@@ -118,7 +118,11 @@ def _build_strategy(cfg: ShardwiseConfig, model: torch.nn.Module, groups, frozen
     return DataParallelStrategy(
         stage=zero.stage, param_groups=groups, group=dp_group, device=device,
         compute_dtype=cfg.compute_dtype if not cfg.torch_autocast.enabled else torch.float32,
-        bucket_elems=int(zero.reduce_bucket_size), overlap_comm=bool(zero.overlap_comm),
+        # offloaded buckets are also the unit of the CPU step that overlaps backward: keep
+        # them small enough for the overlap to start early
+        bucket_elems=int(min(zero.reduce_bucket_size, 50_000_000) if oo is not None
+                         else zero.reduce_bucket_size),
+        overlap_comm=bool(zero.overlap_comm),
         comm_dtype=cfg.communication_dtype, predivide=float(cfg.gradient_predivide_factor),
         offload_device=torch.device("cpu") if offload == "cpu" else None,
         pin_memory=bool(oo and oo.pin_memory), offload_ratio=float(getattr(oo, "ratio", 1.0) or 1.0),
@@ -158,8 +162,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
 
     acc = get_accelerator()
     local_rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
-    device = acc.device(local_rank if acc.kind in ("cuda", "xpu") else None)
-    acc.set_device(local_rank) if acc.kind in ("cuda", "xpu") else None
+    # more ranks than devices (several processes sharing one GPU, e.g. gloo tests): wrap around
+    index = local_rank % max(acc.device_count(), 1) if acc.kind in ("cuda", "xpu") else None
+    device = acc.device(index)
+    if index is not None:
+        acc.set_device(index)
     if cfg.fp16.enabled and not acc.is_fp16_supported():
         raise ConfigError(f"fp16.enabled is true but {acc.kind} cannot compute in fp16")
     if cfg.bf16.enabled and not acc.is_bf16_supported():

@@ -1,0 +1,50 @@
+"""The engine on a CUDA device: parity with torch for stages 0-2 (fp32), offload and DPU on
+real pinned memory and side streams, bf16, and multi-rank gloo runs sharing one GPU so every
+collective path runs on CUDA tensors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.distributed._parity import engine_config, max_rel_diff, reference_params, train_engine
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _cuda_cases(rank: int, world: int):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    out = {}
+    for stage, ga, clip in [(0, 1, 0.0), (1, 2, 0.05), (2, 3, 0.05)]:
+        out[(stage, ga, clip, "plain")] = train_engine(rank, world, engine_config(stage, 2, ga, clip, 1e-2), 10)
+    for stage, ga, clip, ratio in [(1, 1, 0.0, 1.0), (2, 2, 0.05, 1.0), (2, 1, 0.0, 0.5)]:
+        cfg = engine_config(stage, 2, ga, clip, 1e-2, zero_optimization={
+            "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": ratio}})
+        out[(stage, ga, clip, f"offload{ratio}")] = train_engine(rank, world, cfg, 10)
+    return {k: {n: t.cpu() for n, t in v.items()} for k, v in out.items()}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_cuda_stages_and_offload_match_reference(world: int) -> None:
+    per_rank = run_distributed(_cuda_cases, world)
+    for key in per_rank[0]:
+        stage, ga, clip, _ = key
+        ref = reference_params(10, 2 * ga * world, 1e-2, clip)
+        for rank, res in enumerate(per_rank):
+            assert not max_rel_diff(res[key], ref), (key, rank, max_rel_diff(res[key], ref))
+
+
+def test_cuda_bf16_and_parameters_live_on_the_gpu() -> None:
+    import shardwise
+    from tests.distributed._parity import make_model
+    cfg = engine_config(2, 4, 1, 0.0, 1e-2, bf16={"enabled": True},
+                        zero_optimization={"offload_optimizer": {"device": "cpu", "pin_memory": True}})
+    engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
+    p = next(engine.module.parameters())
+    assert p.is_cuda and p.dtype == torch.bfloat16
+    views = engine.shard_views()
+    assert all(v.master.device.type == "cpu" for v in views if v.master is not None)
+    stage = engine.strategy.buckets[0].extra["param_stage"]
+    assert stage.is_pinned() and engine.strategy.buckets[0].master_grad.is_pinned()
