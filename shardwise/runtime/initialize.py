@@ -213,7 +213,10 @@ def _configure_activation_checkpointing(cfg: ShardwiseConfig, model: torch.nn.Mo
         from ..activation import configure_from_engine
     except ImportError:
         return
-    configure_from_engine(section, model)
+    plan = configure_from_engine(section, model)
+    if getattr(plan, "wrapped", None):
+        log_dist(f"activation checkpointing: policy {plan.policy!r} on {len(plan.wrapped)} modules",
+                 ranks=[0])
 
 
 __all__ = ["initialize", "add_config_arguments"]
