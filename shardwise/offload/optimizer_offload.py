@@ -7,16 +7,18 @@ The pipeline, per optimizer step:
    fp32 gradient slice is copied to pinned CPU memory on a side stream (no host sync).
 2. *Eager mode* (no clipping, no fp16 — the update is known as soon as a bucket's
    gradients are): a worker thread steps that bucket on the CPU right away, while the GPU is
-   still running backward for earlier layers, and casts the result into a pinned
-   compute-dtype staging buffer. Otherwise the step runs once every gradient has arrived.
-3. The staging buffers are copied back into the parameters (host-to-device, async).
+   still running backward for earlier layers. Otherwise the step runs once every gradient
+   has arrived.
+3. The updated fp32 masters (pinned) are copied to the device through a staging
+   buffer and cast to the compute dtype there, on the side stream: the CPU does no casting,
+   and each bucket's copy starts as soon as its CPU step is done.
 
 *Delayed parameter update* (DPU, ZeRO-Offload paper §4.3, opt-in): after
 ``delayed_update_warmup`` normal steps, step ``t``'s CPU update runs in the background during
 step ``t+1``'s forward and backward, and its result reaches the GPU at the end of step
 ``t+1``: ``w[t+1] = w[t] - u(g(w[t-1]))`` — parameters are one step stale.
 
-Pinned buffers are allocated once, at construction, and reused every step.
+Pinned buffers and the staging buffer are allocated once, at construction, and reused.
 """
 from __future__ import annotations
 
@@ -45,9 +47,10 @@ class OptimizerOffload:
         self._eager_order: List[Bucket] = []
         self._grad_events: dict = {}
         self._h2d_event: Optional[torch.cuda.Event] = None
-        for b in self.buckets:
-            stage = b.master.to(compute_dtype)  # the first delayed step copies back w0 itself
-            b.extra["param_stage"] = stage.pin_memory() if (pin and self.cuda) else stage
+        largest = max((b.hi - b.lo for b in self.buckets), default=0)
+        # one buffer suffices: every copy and cast runs in order on the side stream
+        self._staging = (torch.empty(largest, dtype=torch.float32, device=device)
+                         if self.cuda else None)
         for b in self.buckets:
             for slot in b.slots:
                 if slot.master is not None:
@@ -85,6 +88,8 @@ class OptimizerOffload:
     # --- 2. the CPU step ------------------------------------------------------------------------
     def _step_buckets(self, inner: torch.optim.Optimizer, buckets: Sequence[Bucket],
                       prescale: Optional[float]) -> None:
+        if self._h2d_event is not None:
+            self._h2d_event.synchronize()  # the last host-to-device copy still reads the masters
         masters = []
         for b in buckets:
             event = self._grad_events.get(b.index)
@@ -106,19 +111,10 @@ class OptimizerOffload:
         for m, g in hidden:
             m.grad = g
 
-    def _stage_params(self, buckets: Sequence[Bucket]) -> None:
-        if self._h2d_event is not None:
-            self._h2d_event.synchronize()  # the previous host-to-device copy still reads these
-        for b in buckets:
-            b.extra["param_stage"].copy_(b.master)
-
     def eager_step_bucket(self, inner: torch.optim.Optimizer, bucket: Bucket,
                           prescale: float) -> None:
         """Step one bucket in the background as soon as its gradients are on their way."""
-        def task() -> None:
-            self._step_buckets(inner, [bucket], prescale)
-            self._stage_params([bucket])
-        self._futures.append(self.pool.submit(task))
+        self._futures.append(self.pool.submit(self._step_buckets, inner, [bucket], prescale))
         self._eager_order.append(bucket)
 
     def step(self, inner: torch.optim.Optimizer, eager: bool,
@@ -140,13 +136,11 @@ class OptimizerOffload:
                 self._copy_params_to_device()
             factor = factor_fn()
 
-            def task() -> None:
-                self._step_buckets(inner, self.buckets, factor)
-                self._stage_params(self.buckets)
             if delayed:
-                self._futures.append(self.pool.submit(task))
+                self._futures.append(self.pool.submit(self._step_buckets, inner, self.buckets,
+                                                      factor))
             else:
-                task()
+                self._step_buckets(inner, self.buckets, factor)
         if not delayed and not eager:
             self._copy_params_to_device()
         self.steps_done += 1
@@ -159,12 +153,22 @@ class OptimizerOffload:
 
     # --- 3. parameters back to the device -------------------------------------------------------
     def _copy_params_to_device(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
+        buckets = self.buckets if buckets is None else buckets
         with torch.no_grad():
-            for b in (self.buckets if buckets is None else buckets):
-                b.param_buf[b.lo:b.hi].copy_(b.extra["param_stage"], non_blocking=self.cuda)
-        if self.cuda:
-            self._h2d_event = torch.cuda.Event()
-            self._h2d_event.record(torch.cuda.current_stream(self.device))
+            if not self.cuda:
+                for b in buckets:
+                    b.param_buf[b.lo:b.hi].copy_(b.master)
+                return
+            current = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(current)  # backward may still be reading the parameters
+            with torch.cuda.stream(self.stream):
+                for b in buckets:
+                    staging = self._staging[:b.hi - b.lo]
+                    staging.copy_(b.master, non_blocking=True)
+                    b.param_buf[b.lo:b.hi].copy_(staging)
+                self._h2d_event = torch.cuda.Event()
+                self._h2d_event.record(self.stream)
+            current.wait_stream(self.stream)  # the next forward reads what was just written
 
     def flush(self) -> None:
         """Bring a pending delayed update onto the device (before saving or evaluating)."""

@@ -196,6 +196,10 @@ class DataParallelStrategy(ZeroStrategy):
                 self._launch(bucket)
             bucket.work.wait()
             bucket.work = None
+        if self.pipeline is not None:
+            # offloaded slices were reduced under the copy stream; the norm reads them here
+            self.pipeline.protect_device_grads()
+        for bucket in self.buckets:
             reduced = self._reduced(bucket)
             if not bucket.extra["offloaded"] and reduced.data_ptr() != bucket.master_grad.data_ptr():
                 bucket.master_grad.copy_(reduced)

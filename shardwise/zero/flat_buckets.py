@@ -104,8 +104,9 @@ def build_bucket(index: int, group_index: int, run: List[tuple], *, world: int, 
     if shares_memory:
         master, master_grad = param_buf, grad_buf
     else:
-        # the CPU optimizer reads masters in place: they need no pinning (only what is DMA'd does)
         master = param_buf[lo:hi].to(device=master_device, dtype=torch.float32, copy=True)
+        if master_device != device and pin:
+            master = master.pin_memory()  # updated masters are DMA'd straight to the device
         if partitioned or master_device != device or separate_master:
             master_grad = torch.zeros(hi - lo, dtype=torch.float32, device=master_device)
             if master_device != device and pin:

@@ -1,0 +1,554 @@
+"""Single-GPU training throughput: plain PyTorch, FSDP2, DeepSpeed and shardwise, in one run.
+
+Every variant trains the same randomly initialised Llama-shaped model (~1.1B by default) on
+the same random token ids, each in its own subprocess so that allocator state, pinned host
+memory and process groups never leak from one variant into the next. The parent collects one
+JSON line per variant, prints a table last and writes everything to ``--out``.
+
+    python benchmarks/train_bench.py                                  # all variants, 1.1B, GPU
+    python benchmarks/train_bench.py --variants torch,fsdp2,sw_z2 --grad-accum 4
+    python benchmarks/train_bench.py --device cpu --layers 2 --hidden 64 --intermediate 128 \
+        --heads 4 --kv-heads 2 --vocab 256 --seq 64 --micro-batch 2 --steps 2 --warmup 1
+
+A variant that fails (an unsupported stage, a JIT build that breaks, a timeout) gets its error
+in its table row and the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, Callable
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+# The benchmark runs from a checkout, not an installed package: make the checkout's shardwise
+# importable here and in every worker (workers get it through PYTHONPATH, see _worker_env).
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(BENCH_DIR))
+
+import torch  # noqa: E402
+
+from _common import (  # noqa: E402
+    BenchConfig,
+    build_model,
+    count_params,
+    embedding_params,
+    flops_per_token,
+    format_table,
+    make_batches,
+    measure,
+    ratio,
+    summarize,
+)
+
+RESULT_MARKER = "@@TRAIN_BENCH_RESULT@@ "
+
+StepFn = Callable[[], torch.Tensor]
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO sections shared by the DeepSpeed and shardwise variants (same keys, same meaning).
+# ---------------------------------------------------------------------------------------------
+_OFFLOAD = {"device": "cpu", "pin_memory": True}
+
+ZERO_SECTIONS: dict[str, dict[str, Any]] = {
+    "z0": {"stage": 0},
+    "z1": {"stage": 1},
+    "z2": {"stage": 2},
+    "z2_offload": {"stage": 2, "offload_optimizer": dict(_OFFLOAD)},
+    "z2_offload_dpu": {"stage": 2, "offload_optimizer": {**_OFFLOAD, "delayed_update": True}},
+    "z3": {"stage": 3},
+    "z3_offload": {"stage": 3, "offload_param": dict(_OFFLOAD),
+                   "offload_optimizer": dict(_OFFLOAD)},
+    "z3_offload_dpu": {"stage": 3, "offload_param": dict(_OFFLOAD),
+                       "offload_optimizer": {**_OFFLOAD, "delayed_update": True}},
+}
+
+# Which DeepSpeed variant each shardwise variant is compared with in the "x ds" column.
+MATCHING_DS = {
+    "sw_z2": "ds_z2",
+    "sw_z2_offload": "ds_z2_offload",
+    "sw_z2_offload_dpu": "ds_z2_offload",
+    "sw_z3": "ds_z3",
+    "sw_z3_offload": "ds_z3_offload",
+    "sw_z3_offload_dpu": "ds_z3_offload",
+}
+
+
+def engine_config(cfg: BenchConfig, zero: dict[str, Any]) -> dict[str, Any]:
+    """A ds_config dict: bf16, AdamW, the run's micro batch and accumulation, one ZeRO stage."""
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr}},
+        "zero_optimization": zero,
+        # The table is the output; per-step log lines would only bury it.
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Process group for one process: FSDP2, DeepSpeed and shardwise all want one, even alone.
+# ---------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_single_process_env() -> None:
+    """The env a launcher would set for rank 0 of 1 (kept if the parent already set it)."""
+    defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+                "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants. Each takes the built model and batches and returns a callable that runs one
+# optimizer step (all grad_accum micro batches) and returns the last micro batch's loss.
+# ---------------------------------------------------------------------------------------------
+def setup_torch(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,
+                device: torch.device) -> StepFn:
+    """Plain PyTorch: fp32 parameters, bf16 autocast, fused AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+
+    def step() -> torch.Tensor:
+        for x in batches:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=x, labels=x).loss
+            (loss / len(batches)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def _setup_fsdp2(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,
+                 device: torch.device, offload: bool) -> StepFn:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                        fully_shard)
+
+    set_single_process_env()
+    dist.init_process_group(backend_for(device))
+    mesh = init_device_mesh(device.type, (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    # One FSDP unit per decoder layer plus the root (embeddings, norm, head): the usual wrap.
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+
+    def step() -> torch.Tensor:
+        for i, x in enumerate(batches):
+            # FSDP2's own accumulation idiom: reduce gradients only on the last micro batch.
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+            loss = model(input_ids=x, labels=x).loss
+            (loss / len(batches)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def setup_fsdp2(model, batches, cfg, device) -> StepFn:
+    """FSDP2 fully_shard on a world of 1, bf16 params / fp32 reduce, fused AdamW."""
+    return _setup_fsdp2(model, batches, cfg, device, offload=False)
+
+
+def setup_fsdp2_offload(model, batches, cfg, device) -> StepFn:
+    """FSDP2 with CPUOffloadPolicy: sharded params, grads and AdamW state live on the host."""
+    return _setup_fsdp2(model, batches, cfg, device, offload=True)
+
+
+def engine_step(engine: Any, batches: list[torch.Tensor]) -> StepFn:
+    """The DeepSpeed loop, also used for shardwise: the engine counts micro batches itself."""
+
+    def step() -> torch.Tensor:
+        for x in batches:
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+        return loss
+
+    return step
+
+
+def _setup_deepspeed(model, batches, cfg, device, zero_key: str) -> StepFn:
+    import deepspeed
+
+    set_single_process_env()
+    deepspeed.init_distributed(dist_backend=backend_for(device))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=engine_config(cfg, ZERO_SECTIONS[zero_key]))
+    return engine_step(engine, batches)
+
+
+def _setup_shardwise(model, batches, cfg, device, zero_key: str) -> StepFn:
+    import shardwise
+
+    set_single_process_env()
+    engine, _, _, _ = shardwise.initialize(model=model,
+                                           config=engine_config(cfg, ZERO_SECTIONS[zero_key]))
+    return engine_step(engine, batches)
+
+
+def _bind(setup: Callable[..., StepFn], zero_key: str) -> Callable[..., StepFn]:
+    def bound(model, batches, cfg, device) -> StepFn:
+        return setup(model, batches, cfg, device, zero_key)
+
+    bound.__doc__ = f"{setup.__name__.removeprefix('_setup_')} with zero_optimization " \
+                    f"{json.dumps(ZERO_SECTIONS[zero_key])}"
+    return bound
+
+
+VARIANTS: dict[str, Callable[..., StepFn]] = {
+    "torch": setup_torch,
+    "fsdp2": setup_fsdp2,
+    "fsdp2_offload": setup_fsdp2_offload,
+    "ds_z2": _bind(_setup_deepspeed, "z2"),
+    "ds_z2_offload": _bind(_setup_deepspeed, "z2_offload"),
+    "ds_z3": _bind(_setup_deepspeed, "z3"),
+    "ds_z3_offload": _bind(_setup_deepspeed, "z3_offload"),
+    "sw_z0": _bind(_setup_shardwise, "z0"),
+    "sw_z1": _bind(_setup_shardwise, "z1"),
+    "sw_z2": _bind(_setup_shardwise, "z2"),
+    "sw_z2_offload": _bind(_setup_shardwise, "z2_offload"),
+    "sw_z2_offload_dpu": _bind(_setup_shardwise, "z2_offload_dpu"),
+    "sw_z3": _bind(_setup_shardwise, "z3"),
+    "sw_z3_offload": _bind(_setup_shardwise, "z3_offload"),
+    "sw_z3_offload_dpu": _bind(_setup_shardwise, "z3_offload_dpu"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: one variant, in its own process.
+# ---------------------------------------------------------------------------------------------
+def environment_report(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    report: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                              "transformers": transformers.__version__}
+    if device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(device)
+        report["cuda"] = torch.version.cuda
+    for name in ("deepspeed", "shardwise"):
+        module = sys.modules.get(name)
+        if module is not None:
+            report[name] = getattr(module, "__version__", "?")
+    return report
+
+
+def run_worker(name: str, cfg: BenchConfig) -> dict[str, Any]:
+    device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    start = time.perf_counter()
+    model = build_model(cfg, device)
+    n_params = count_params(model)
+    flops_tok = flops_per_token(cfg, n_params, embedding_params(model))
+    batches = make_batches(cfg, device)
+    step = VARIANTS[name](model, batches, cfg, device)
+    measurement = measure(step, cfg, device, setup_s=time.perf_counter() - start)
+    return {"variant": name, "n_params": n_params, "flops_per_token": flops_tok,
+            **summarize(measurement, cfg, flops_tok), "env": environment_report(device)}
+
+
+def worker_main(name: str, cfg: BenchConfig) -> int:
+    try:
+        result = run_worker(name, cfg)
+        code = 0
+    except BaseException as exc:  # report anything, KeyboardInterrupt included, as a row
+        traceback.print_exc()
+        result = {"variant": name, "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()}
+        code = 1
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # teardown trouble must not hide the result already printed
+        pass
+    return code
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: run the variants one after another, each under a timeout.
+# ---------------------------------------------------------------------------------------------
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT), str(BENCH_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"
+    # DeepSpeed JIT-builds its Adam ops on first use. Keeping the build cache in the ignored
+    # out/ folder of the checkout lets it survive between calls on a warm GPU machine.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / "out" / "torch_extensions"))
+    # DeepSpeed's op builder cannot parse torch's "9.0a" arch entries; name the plain ones.
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        env["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+                "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    return env
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill a worker and its children (ninja/nvcc of a JIT build) on any OS."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    procs = parent.children(recursive=True) + [parent]
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(line for line in text[-lines:] if not line.startswith(RESULT_MARKER))
+
+
+def run_subprocess(argv: list[str], log_path: Path, timeout_s: float) -> tuple[int | None, float]:
+    """Run argv with output to log_path; returns (exit code or None on timeout, seconds)."""
+    start = time.perf_counter()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(),
+                                cwd=str(REPO_ROOT))
+        try:
+            code: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            proc.wait()
+            code = None
+    return code, time.perf_counter() - start
+
+
+def run_variant(name: str, cfg: BenchConfig, timeout_s: float, log_dir: Path,
+                verbose: bool) -> dict[str, Any]:
+    log_path = log_dir / f"{name}.log"
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
+            "--config-json", cfg.to_json()]
+    code, wall = run_subprocess(argv, log_path, timeout_s)
+    if verbose:
+        sys.stderr.write(f"----- {name} log ({log_path})\n{log_path.read_text(errors='replace')}\n")
+    result: dict[str, Any] | None = None
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith(RESULT_MARKER):
+            result = json.loads(line[len(RESULT_MARKER):])
+    if code is None:
+        result = {"variant": name, "error": f"timed out after {timeout_s:.0f} s (--timeout)",
+                  "log_tail": _tail(log_path)}
+    elif result is None:
+        result = {"variant": name, "error": f"worker exited with code {code} and no result",
+                  "log_tail": _tail(log_path)}
+    elif result.get("error"):
+        result["log_tail"] = _tail(log_path)
+    result["wall_s"] = wall
+    return result
+
+
+def deepspeed_import_error(timeout_s: float, log_dir: Path) -> str | None:
+    """None when `import deepspeed` works in a fresh interpreter, else its last error line."""
+    log = log_dir / "deepspeed_import.log"
+    code, _ = run_subprocess([sys.executable, "-c", "import deepspeed"], log, timeout_s)
+    if code == 0:
+        return None
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {code}"
+
+
+def prebuild_deepspeed_ops(timeout_s: float, log_dir: Path) -> dict[str, Any]:
+    """JIT-build DeepSpeed's CPU Adam and fused Adam once, so no variant's timeout pays it."""
+    code = ("from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder\n"
+            "CPUAdamBuilder().load()\nFusedAdamBuilder().load()\n")
+    log = log_dir / "deepspeed_prebuild.log"
+    rc, wall = run_subprocess([sys.executable, "-c", code], log, timeout_s)
+    return {"ok": rc == 0, "wall_s": wall, "log_tail": None if rc == 0 else _tail(log)}
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    """Throughput ratios (tokens/s of the row over tokens/s of the reference)."""
+    tok = {r["variant"]: r.get("tokens_per_s") for r in results if not r.get("error")}
+    for r in results:
+        if r.get("error"):
+            continue
+        r["mfu_pct"] = 100.0 * r["mfu"]
+        r["x_fsdp2"] = ratio(r["tokens_per_s"], tok.get("fsdp2"))
+        r["x_torch"] = ratio(r["tokens_per_s"], tok.get("torch"))
+        ds = MATCHING_DS.get(r["variant"])
+        r["ds_ref"] = ds
+        r["x_ds"] = ratio(r["tokens_per_s"], tok.get(ds)) if ds else None
+
+
+TABLE_COLUMNS = [
+    ("variant", "variant", ""),
+    ("tokens_per_s", "tokens/s", ",.0f"),
+    ("step_s", "step s", ".3f"),
+    ("mfu_pct", "MFU %", ".1f"),
+    ("gpu_peak_gib", "GPU peak GiB", ".2f"),
+    ("host_rss_peak_gib", "host RSS GiB", ".2f"),
+    ("x_fsdp2", "x fsdp2", ".2f"),
+    ("x_torch", "x torch", ".2f"),
+    ("x_ds", "x ds", ".2f"),
+    # Same weights and data everywhere, so a last loss far from torch's flags a broken variant.
+    ("loss_last", "last loss", ".4f"),
+]
+
+
+def write_json(path: Path | None, cfg: BenchConfig, results: list[dict[str, Any]],
+               extra: dict[str, Any]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps({"config": asdict(cfg), **extra, "results": results}, indent=2))
+    os.replace(tmp, path)  # atomic, so a killed run leaves the last complete file
+
+
+def default_out() -> Path | None:
+    out = os.environ.get("OUT")
+    return Path(out) / "train_bench.json" if out else REPO_ROOT / "out" / "train_bench.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = BenchConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--hidden", type=int, default=d.hidden)
+    p.add_argument("--intermediate", type=int, default=d.intermediate)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    p.add_argument("--vocab", type=int, default=d.vocab)
+    p.add_argument("--seq", type=int, default=d.seq)
+    p.add_argument("--micro-batch", type=int, default=d.micro_batch)
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum,
+                   help="micro batches per optimizer step; tokens/s counts all of them")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed optimizer steps")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed optimizer steps")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=d.device)
+    p.add_argument("--peak-tflops", type=float, default=d.peak_flops / 1e12,
+                   help="peak bf16 dense TFLOP/s for MFU (H200: 989)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds one variant may take, setup and JIT builds included")
+    p.add_argument("--out", type=Path, default=default_out(),
+                   help="JSON results file (default $OUT/train_bench.json when OUT is set)")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="keep each variant's full log here (default: a temp dir)")
+    p.add_argument("--ds-prebuild", action="store_true",
+                   help="JIT-build DeepSpeed's Adam ops once before the DeepSpeed variants")
+    p.add_argument("--verbose", action="store_true", help="echo each worker's log to stderr")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
+                       heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab, seq=args.seq,
+                       micro_batch=args.micro_batch, grad_accum=args.grad_accum,
+                       warmup=args.warmup, steps=args.steps, device=args.device,
+                       peak_flops=args.peak_tflops * 1e12)
+
+
+def check_args(args: argparse.Namespace, names: list[str]) -> None:
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    for f in ("layers", "hidden", "heads", "kv_heads", "vocab", "seq", "micro_batch",
+              "grad_accum", "steps"):
+        if getattr(args, f) < 1:
+            raise SystemExit(f"--{f.replace('_', '-')} must be >= 1, got {getattr(args, f)}")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        raise SystemExit(f"--hidden ({args.hidden}) must divide by --heads ({args.heads}) and "
+                         f"--heads by --kv-heads ({args.kv_heads})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no GPU; pass --device cpu to smoke-test")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        cfg = BenchConfig.from_json(args.config_json) if args.config_json else config_from_args(args)
+        return worker_main(args.worker, cfg)
+
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    check_args(args, names)
+    cfg = config_from_args(args)
+    tmp = None
+    if args.log_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="train_bench_")
+        log_dir = Path(tmp.name)
+    else:
+        log_dir = args.log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    extra: dict[str, Any] = {}
+    ds_error = None
+    if any(n.startswith("ds_") for n in names):
+        ds_error = deepspeed_import_error(min(args.timeout, 120.0), log_dir)
+        extra["deepspeed_import_error"] = ds_error
+        if ds_error is None and args.ds_prebuild:
+            extra["deepspeed_prebuild"] = prebuild_deepspeed_ops(args.timeout, log_dir)
+            print(f"[train_bench] deepspeed prebuild: {extra['deepspeed_prebuild']}", flush=True)
+
+    print(f"[train_bench] config {cfg.to_json()}", flush=True)
+    results: list[dict[str, Any]] = []
+    for name in names:
+        if name.startswith("ds_") and ds_error is not None:
+            result = {"variant": name, "error": f"skipped: import deepspeed failed: {ds_error}"}
+        else:
+            result = run_variant(name, cfg, args.timeout, log_dir, args.verbose)
+        results.append(result)
+        brief = result.get("error") or (f"{result['tokens_per_s']:,.0f} tok/s, "
+                                        f"{result['step_s']:.3f} s/step, "
+                                        f"GPU peak {result.get('gpu_peak_gib') or float('nan'):.2f} GiB")
+        print(f"[train_bench] {name} ({result.get('wall_s', 0):.0f} s): {brief}", flush=True)
+        write_json(args.out, cfg, results, extra)  # after each variant, in case we are killed
+
+    add_ratios(results)
+    write_json(args.out, cfg, results, extra)
+    n_params = next((r["n_params"] for r in results if "n_params" in r), None)
+    print()
+    print(f"model {n_params or '?'} params, {cfg.micro_batch}x{cfg.seq} tokens x "
+          f"{cfg.grad_accum} micro batches per step, {cfg.warmup} warm-up + {cfg.steps} timed "
+          f"steps, MFU vs {cfg.peak_flops / 1e12:.0f} TFLOP/s; ratios are tokens/s ratios")
+    print(format_table(results, TABLE_COLUMNS))
+    if args.out is not None:
+        print(f"\nresults: {args.out}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
