@@ -71,7 +71,7 @@ def train_engine(rank: int, world: int, cfg: dict, steps: int) -> Dict[str, torc
             loss = engine(x[lo:lo + micro], y[lo:lo + micro])
             engine.backward(loss)
             engine.step()
-    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
 
 
 def max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> List[str]:
