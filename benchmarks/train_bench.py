@@ -65,6 +65,9 @@ ZERO_SECTIONS: dict[str, dict[str, Any]] = {
     "z2": {"stage": 2},
     "z2_offload": {"stage": 2, "offload_optimizer": dict(_OFFLOAD)},
     "z2_offload_dpu": {"stage": 2, "offload_optimizer": {**_OFFLOAD, "delayed_update": True}},
+    # "_top": top-level keys that go with the section (here: bf16 gradient accumulation)
+    "z2_offload_bf16acc": {"stage": 2, "offload_optimizer": dict(_OFFLOAD),
+                           "_top": {"data_types": {"grad_accum_dtype": "bf16"}}},
     "z3": {"stage": 3},
     "z3_offload": {"stage": 3, "offload_param": dict(_OFFLOAD),
                    "offload_optimizer": dict(_OFFLOAD)},
@@ -77,6 +80,7 @@ MATCHING_DS = {
     "sw_z2": "ds_z2",
     "sw_z2_offload": "ds_z2_offload",
     "sw_z2_offload_dpu": "ds_z2_offload",
+    "sw_z2_offload_bf16acc": "ds_z2_offload",
     "sw_z3": "ds_z3",
     "sw_z3_offload": "ds_z3_offload",
     "sw_z3_offload_dpu": "ds_z3_offload",
@@ -85,7 +89,10 @@ MATCHING_DS = {
 
 def engine_config(cfg: BenchConfig, zero: dict[str, Any]) -> dict[str, Any]:
     """A ds_config dict: bf16, AdamW, the run's micro batch and accumulation, one ZeRO stage."""
+    zero = dict(zero)
+    top = zero.pop("_top", {})
     return {
+        **top,
         "train_micro_batch_size_per_gpu": cfg.micro_batch,
         "gradient_accumulation_steps": cfg.grad_accum,
         "bf16": {"enabled": True},
@@ -234,6 +241,7 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "sw_z2": _bind(_setup_shardwise, "z2"),
     "sw_z2_offload": _bind(_setup_shardwise, "z2_offload"),
     "sw_z2_offload_dpu": _bind(_setup_shardwise, "z2_offload_dpu"),
+    "sw_z2_offload_bf16acc": _bind(_setup_shardwise, "z2_offload_bf16acc"),
     "sw_z3": _bind(_setup_shardwise, "z3"),
     "sw_z3_offload": _bind(_setup_shardwise, "z3_offload"),
     "sw_z3_offload_dpu": _bind(_setup_shardwise, "z3_offload_dpu"),

@@ -70,6 +70,11 @@ class OptimizerOffload:
         with torch.cuda.stream(self.stream):
             if work is not None:
                 work.wait()  # NCCL: makes the copy stream wait for the collective, not the host
+            if reduced.dtype != bucket.master_grad.dtype:
+                # low-precision accumulation: widen on the device, then DMA (stream-ordered)
+                staged = self._staging[:reduced.numel()]
+                staged.copy_(reduced)
+                reduced = staged
             bucket.master_grad.copy_(reduced, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)

@@ -210,7 +210,8 @@ class ShardwiseEngine(torch.nn.Module):
         if self.loss_scaler is not None:
             inv /= self.loss_scaler.cur_scale
         clip = float(self.config.gradient_clipping or 0.0)
-        norms = [torch.linalg.vector_norm(g).to(self.device) for g in grads if g.numel()]
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(self.device)
+                 for g in grads if g.numel()]
         sumsq = (torch.stack(norms).square().sum() if norms
                  else torch.zeros((), device=self.device))
         if self.strategy.grads_partitioned and self.world_size > 1:

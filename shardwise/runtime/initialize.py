@@ -96,6 +96,13 @@ def _named_groups(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimi
     return groups, frozen
 
 
+def _grad_accum_dtype(cfg: ShardwiseConfig) -> torch.dtype:
+    """fp32 accumulation by default (exact across micro steps); ``data_types.grad_accum_dtype``
+    may pick the compute dtype to save device memory."""
+    from ..config.base import torch_dtype_of
+    return torch_dtype_of(cfg.data_types.grad_accum_dtype) or torch.float32
+
+
 def _build_strategy(cfg: ShardwiseConfig, model: torch.nn.Module, groups, frozen,
                     device: torch.device, dp_group):
     zero = cfg.zero_optimization
@@ -129,7 +136,7 @@ def _build_strategy(cfg: ShardwiseConfig, model: torch.nn.Module, groups, frozen
         delayed_update=bool(getattr(oo, "delayed_update", False)),
         delayed_update_warmup=int(getattr(oo, "delayed_update_warmup", 0) or 0),
         eager_offload_step=not cfg.fp16.enabled and not float(cfg.gradient_clipping or 0) > 0,
-        frozen=frozen)
+        grad_dtype=_grad_accum_dtype(cfg), frozen=frozen)
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,

@@ -32,7 +32,7 @@ class DataParallelStrategy(ZeroStrategy):
                  offload_device: Optional[torch.device] = None, pin_memory: bool = False,
                  offload_ratio: float = 1.0, delayed_update: bool = False,
                  delayed_update_warmup: int = 0, eager_offload_step: bool = False,
-                 frozen: Sequence[tuple] = ()) -> None:
+                 grad_dtype: torch.dtype = torch.float32, frozen: Sequence[tuple] = ()) -> None:
         self.stage = stage
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -63,7 +63,8 @@ class DataParallelStrategy(ZeroStrategy):
                                       rank=self.rank, partitioned=self.partitioned,
                                       compute_dtype=compute_dtype, device=device,
                                       master_device=offload_device if offloaded else device,
-                                      pin=pin_memory, separate_master=offloaded)
+                                      pin=pin_memory, separate_master=offloaded,
+                                      grad_dtype=grad_dtype)
                 bucket.extra["offloaded"] = offloaded
                 self.buckets.append(bucket)
                 group_buckets.append(bucket)
@@ -73,7 +74,8 @@ class DataParallelStrategy(ZeroStrategy):
             for slot in bucket.slots:
                 self._slot_of[slot.param] = (bucket, slot)
         self._boundary = False
-        self._direct_grads = compute_dtype == torch.float32
+        # parameters whose dtype is the accumulation dtype: autograd accumulates in place
+        self._direct_grads = compute_dtype == grad_dtype
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for slot in b.slots]
         self._attach_grad_views()

@@ -6,7 +6,8 @@ Each optimizer param group's trainable parameters are packed, in reverse registr
 
 - ``param_buf`` (compute dtype, device): the parameters' ``.data`` are views into it, so an
   all-gather lands directly in the module's weights and parameters keep their identity;
-- ``grad_buf`` (fp32, device): gradients accumulate here across micro steps;
+- ``grad_buf`` (fp32 unless ``data_types.grad_accum_dtype`` says otherwise, device):
+  gradients accumulate here across micro steps;
 - ``master`` / ``master_grad`` (fp32): this rank's slice ``[lo, hi)`` of the bucket, which is
   what the optimizer steps. When nothing is partitioned, offloaded or down-cast these are
   views of ``param_buf`` / ``grad_buf`` themselves (no copies at all).
@@ -81,13 +82,14 @@ def plan_buckets(named_params: Sequence[tuple], bucket_elems: int) -> List[List[
 
 def build_bucket(index: int, group_index: int, run: List[tuple], *, world: int, rank: int,
                  partitioned: bool, compute_dtype: torch.dtype, device: torch.device,
-                 master_device: torch.device, pin: bool, separate_master: bool = False) -> Bucket:
+                 master_device: torch.device, pin: bool, separate_master: bool = False,
+                 grad_dtype: torch.dtype = torch.float32) -> Bucket:
     """Allocate one bucket's buffers and point the parameters' data into ``param_buf``."""
     total = sum(p.numel() for _, p in run)
     numel = -(-total // world) * world if partitioned else total
     lo, hi = (rank * (numel // world), (rank + 1) * (numel // world)) if partitioned else (0, numel)
     param_buf = torch.zeros(numel, dtype=compute_dtype, device=device)
-    grad_buf = torch.zeros(numel, dtype=torch.float32, device=device)
+    grad_buf = torch.zeros(numel, dtype=grad_dtype, device=device)
     slots: List[ParamSlot] = []
     offset = 0
     with torch.no_grad():
@@ -107,7 +109,7 @@ def build_bucket(index: int, group_index: int, run: List[tuple], *, world: int, 
         master = param_buf[lo:hi].to(device=master_device, dtype=torch.float32, copy=True)
         if master_device != device and pin:
             master = master.pin_memory()  # updated masters are DMA'd straight to the device
-        if partitioned or master_device != device or separate_master:
+        if partitioned or master_device != device or separate_master or grad_dtype != torch.float32:
             master_grad = torch.zeros(hi - lo, dtype=torch.float32, device=master_device)
             if master_device != device and pin:
                 master_grad = master_grad.pin_memory()

@@ -124,6 +124,14 @@ def test_bf16_trains_within_bf16_tolerance_of_fp32_reference() -> None:
     # the fp32 masters carry more precision than the bf16 weights they feed
     views = engine.shard_views()
     assert all(v.master.dtype == torch.float32 for v in views if v.master is not None)
+    assert all(b.grad_buf.dtype == torch.float32 for b in engine.strategy.buckets)
+    # data_types.grad_accum_dtype = bf16: half the gradient memory, still within bf16 tolerance
+    cfg_bf16_acc = dict(cfg, data_types={"grad_accum_dtype": "bf16"})
+    got2 = train_engine(0, 1, cfg_bf16_acc, steps=10)
+    for k in ref:
+        assert torch.allclose(got2[k], ref[k], rtol=0, atol=3e-2), k
+    engine3, *_ = shardwise.initialize(model=make_model(), config=cfg_bf16_acc)
+    assert all(b.grad_buf.dtype == torch.bfloat16 for b in engine3.strategy.buckets)
 
 
 def test_no_sync_rules() -> None:
