@@ -49,8 +49,9 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     env_world = _env_int("WORLD_SIZE", world_size if world_size > 0 else 1)
     env_rank = _env_int("RANK", rank if rank >= 0 else 0)
     if sys.platform == "win32":
-        # Windows torch wheels are built without libuv; the TCPStore must not ask for it.
-        os.environ.setdefault("USE_LIBUV", "0")
+        # Windows torch wheels are built without libuv; the TCPStore must not ask for it
+        # (a user's USE_LIBUV=1 can never work there).
+        os.environ["USE_LIBUV"] = "0"
     if env_world == 1 and init_method is None and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
