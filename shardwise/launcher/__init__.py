@@ -3,7 +3,7 @@
 Modules (each one concern): ``cli_args`` (flags), ``hostfile`` (hostfile, include/exclude),
 ``env`` (forwarded variables, env files), ``single_node`` (one node's elastic agent),
 ``multi_node`` (ssh/pdsh/slurm/openmpi/local runners), ``worker`` (the worker-side shim:
-core binding, USE_LIBUV),
+core binding, USE_LIBUV), ``torch_compat`` (Windows fixes for torch's agent),
 ``launch`` (ties them together) and ``script_args`` (the script-side flags).
 
 Nothing is imported eagerly: ``python -m shardwise.launcher.single_node`` must not find its

@@ -28,6 +28,9 @@ class ShardwiseDataLoader:
                                  collate_fn=collate_fn, num_workers=num_workers,
                                  pin_memory=pin_memory and torch.cuda.is_available(),
                                  drop_last=drop_last,
+                                 # its own generator: making an iterator must not draw from the
+                                 # global RNG (a resumed run would drift from the original)
+                                 generator=torch.Generator().manual_seed(seed),
                                  multiprocessing_context="spawn" if num_workers > 0 else None)
         self.epoch = 0
         self.position = 0
@@ -53,4 +56,4 @@ class ShardwiseDataLoader:
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         self.epoch = int(state["epoch"])
-        self._skip = int(state["position"])
+        self._skip = self.position = int(state["position"])

@@ -15,11 +15,9 @@ from ..utils.logging import log_dist, logger
 from .dataloader import ShardwiseDataLoader
 from .engine import ShardwiseEngine
 
-try:  # the script-side flags (seed's --windows_optimization etc.) live with the launcher
-    from ..launcher.script_args import add_config_arguments, apply_script_args
-except ImportError:  # pragma: no cover - only while the launcher package is incomplete
-    add_config_arguments = None  # type: ignore[assignment]
-    apply_script_args = None  # type: ignore[assignment]
+# the script-side flags (--deepspeed_config, the seed's --windows_optimization ...) live with
+# the launcher, which gives them their meaning
+from ..launcher.script_args import add_config_arguments, apply_script_args
 
 
 def _model_parameters(model: torch.nn.Module, model_parameters: Any) -> List[Any]:
@@ -160,7 +158,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
     dp_group = None
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    effects = apply_script_args(args) if (apply_script_args is not None and args is not None) else None
+    effects = apply_script_args(args) if args is not None else None
     cfg = load_config(config, args=args, config_params=config_params, world_size=world)
     client_lr = optimizer.param_groups[0]["lr"] if isinstance(optimizer, torch.optim.Optimizer) else None
     cfg.resolve_auto(hidden_size=_hidden_size(model), optimizer_lr=client_lr)
@@ -184,7 +182,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
     if cfg.zero_optimization.stage < 3:
         dtype = cfg.compute_dtype if not cfg.torch_autocast.enabled else torch.float32
         model.to(device=device, dtype=dtype)
-    opt = _build_optimizer(optimizer, cfg, params, device)
+    # stage 3 with optimizer offload steps CPU masters: pick the CPU's fused kernels
+    zero = cfg.zero_optimization
+    opt_device = (torch.device("cpu") if zero.stage == 3 and zero.offload_optimizer_device == "cpu"
+                  else device)
+    opt = _build_optimizer(optimizer, cfg, params, opt_device)
     groups, frozen = _named_groups(model, opt)
     if opt is not None and type(opt).__name__ == "Lamb" and cfg.zero_optimization.stage >= 1 and world > 1:
         raise ConfigError("optimizer Lamb computes a trust ratio per whole tensor, which ZeRO "

@@ -1,0 +1,248 @@
+"""Per-parameter partitions for ZeRO stage 3: split, gather, release.
+
+Every partitioned parameter is flattened and padded to a multiple of the world size W;
+rank r keeps the contiguous chunk ``[r·c, (r+1)·c)`` (``c = padded / W``) as its *shard*.
+Outside a gather the parameter's ``.data`` is an empty tensor of the compute dtype on the
+compute device, and ``param.sw_shape`` / ``param.sw_numel`` keep the full geometry.
+
+Gathering all-gathers the shards into one padded *full* buffer and points ``.data`` at a
+view of it. Releasing points ``.data`` back at the empty tensor **and** shrinks the full
+buffer's storage to zero bytes: autograd may hold views of the gathered weights (saved
+for backward) and those would otherwise keep the whole model alive until backward ends.
+The next gather re-grows the same storage and fills it again, so those saved views see
+valid values when backward runs (the technique FSDP1 used for its flat parameters).
+
+Per-parameter (not per-module) partitions keep tied weights simple (one state per
+Parameter object, whichever module uses it) and let ``zero.Init`` and the strategy share
+one layout, so a model built under ``zero.Init`` is adopted without any communication.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...accelerator import get_accelerator
+from ...comm import all_gather_flat
+from ...errors import ZeroError
+
+RELEASED, INFLIGHT, GATHERED = "released", "inflight", "gathered"
+
+
+@dataclass(eq=False)
+class PartitionedParam:
+    """The stage-3 state of one parameter (stored as ``param.sw_meta``)."""
+
+    shape: torch.Size
+    """The full, unpartitioned shape."""
+    numel: int
+    """Elements of the full parameter."""
+    world: int
+    rank: int
+    group: Optional[dist.ProcessGroup]
+    shard: torch.Tensor
+    """This rank's ``chunk`` elements (padding included), compute dtype, on the shard device
+    (the accelerator, or the CPU under ``offload_param``)."""
+    compute_device: torch.device
+    """Where the gathered parameter lives while a module uses it."""
+    empty: torch.Tensor = field(repr=False, default=None)  # type: ignore[assignment]
+    """The placeholder ``.data`` while released (numel 0, compute dtype and device)."""
+    full: Optional[torch.Tensor] = field(repr=False, default=None)
+    """Padded gather buffer (``chunk · world``); its storage has 0 bytes while released."""
+    status: str = RELEASED
+    work: Any = field(repr=False, default=None)
+    staging: Optional[torch.Tensor] = field(repr=False, default=None)
+    """Device copy of an offloaded shard while its all-gather runs."""
+    active: int = 0
+    """Forward calls / GatheredParameters contexts using the gathered value right now."""
+    on_modified: Optional[Callable[[torch.nn.Parameter], None]] = field(repr=False, default=None)
+    """Set by the strategy: refresh the fp32 master after the shard was overwritten."""
+
+    @property
+    def chunk(self) -> int:
+        return self.shard.numel()
+
+    @property
+    def padded(self) -> int:
+        return self.chunk * self.world
+
+    @property
+    def own_lo(self) -> int:
+        """First element of the full parameter that this rank owns (clipped to numel)."""
+        return min(self.rank * self.chunk, self.numel)
+
+    @property
+    def own_hi(self) -> int:
+        return min((self.rank + 1) * self.chunk, self.numel)
+
+    @property
+    def own_len(self) -> int:
+        return self.own_hi - self.own_lo
+
+
+# Every gathered or in-flight partitioned parameter of this process, in gather order, so
+# sweeps (end of forward/backward) and the max_live_parameters budget see one picture.
+_LIVE: Dict[int, torch.nn.Parameter] = {}
+
+
+def live_params() -> List[torch.nn.Parameter]:
+    return list(_LIVE.values())
+
+
+def live_numel() -> int:
+    return sum(p.sw_meta.padded for p in _LIVE.values())
+
+
+def is_partitioned(p: Any) -> bool:
+    return isinstance(getattr(p, "sw_meta", None), PartitionedParam)
+
+
+def group_info(group: Optional[dist.ProcessGroup]) -> tuple:
+    """(world, rank) of ``group``; a process without torch.distributed is a world of one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group), dist.get_rank(group)
+    return 1, 0
+
+
+def global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def place_shard(t: torch.Tensor, device: torch.device, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Copy ``t`` to its shard home; CPU shards are pinned when asked and an accelerator exists."""
+    out = t.to(device=device, dtype=dtype, copy=True).contiguous()
+    if pin and out.device.type == "cpu":
+        out = get_accelerator().pin_memory(out)
+    return out
+
+
+def partition_param(p: torch.nn.Parameter, *, world: int, rank: int,
+                    group: Optional[dist.ProcessGroup], shard_device: torch.device,
+                    compute_device: torch.device, dtype: Optional[torch.dtype] = None,
+                    pin: bool = False) -> PartitionedParam:
+    """Keep this rank's chunk of ``p`` (which holds its full value) and empty ``p.data``."""
+    if is_partitioned(p):
+        return p.sw_meta
+    dtype = dtype or p.dtype
+    numel = p.numel()
+    chunk = -(-numel // world) if numel else 0
+    flat = p.detach().reshape(-1)
+    lo, hi = min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+    shard = torch.zeros(chunk, dtype=dtype, device=shard_device)
+    if pin and shard.device.type == "cpu":
+        shard = get_accelerator().pin_memory(shard)
+    with torch.no_grad():
+        shard[:hi - lo].copy_(flat[lo:hi])
+    meta = PartitionedParam(shape=torch.Size(p.shape), numel=numel, world=world, rank=rank,
+                            group=group, shard=shard, compute_device=torch.device(compute_device))
+    meta.empty = torch.empty(0, dtype=dtype, device=compute_device)
+    p.data = meta.empty
+    p.sw_meta = meta
+    p.sw_shape = meta.shape
+    p.sw_numel = numel
+    return meta
+
+
+def adopt(p: torch.nn.Parameter, *, shard_device: torch.device, compute_device: torch.device,
+          dtype: torch.dtype, pin: bool, world: int) -> PartitionedParam:
+    """Move an already partitioned parameter (``zero.Init``) to the strategy's placement."""
+    meta: PartitionedParam = p.sw_meta
+    if meta.world != world:
+        raise ZeroError(f"a parameter of shape {tuple(meta.shape)} was partitioned by zero.Init "
+                        f"over {meta.world} ranks, but the engine's data-parallel group has "
+                        f"{world}; build the model under zero.Init with the same group (or "
+                        "data_parallel_group=None for the default group)")
+    release(p)
+    if meta.shard.device != shard_device or meta.shard.dtype != dtype:
+        meta.shard = place_shard(meta.shard, shard_device, dtype, pin)
+    meta.compute_device = torch.device(compute_device)
+    meta.empty = torch.empty(0, dtype=dtype, device=compute_device)
+    meta.full = None
+    p.data = meta.empty
+    return meta
+
+
+def unpartition(p: torch.nn.Parameter) -> None:
+    """Make a partitioned parameter whole again on every rank (collective)."""
+    meta: PartitionedParam = p.sw_meta
+    meta.active += 1
+    gather([p])
+    whole = p.data.clone()
+    meta.active -= 1
+    release(p)
+    p.data = whole
+    for attr in ("sw_meta", "sw_shape", "sw_numel"):
+        delattr(p, attr)
+
+
+# --- gather / release --------------------------------------------------------------------
+def start_gather(p: torch.nn.Parameter) -> None:
+    """Launch the all-gather of ``p`` (asynchronous where the backend allows)."""
+    meta: PartitionedParam = p.sw_meta
+    if meta.status != RELEASED:
+        return
+    if meta.full is None:
+        meta.full = torch.empty(meta.padded, dtype=meta.shard.dtype, device=meta.compute_device)
+    storage = meta.full.untyped_storage()
+    nbytes = meta.padded * meta.full.element_size()
+    if storage.size() < nbytes:
+        storage.resize_(nbytes)
+    src = meta.shard
+    if src.device != meta.compute_device:
+        # offload_param: the shard lives on the host; bring it over first (pinned -> async)
+        meta.staging = src.to(meta.compute_device, non_blocking=True)
+        src = meta.staging
+    if meta.world == 1:
+        meta.full.copy_(src)
+        meta.work = None
+    else:
+        meta.work = all_gather_flat(meta.full, src, group=meta.group, async_op=True)
+    meta.status = INFLIGHT
+    _LIVE[id(p)] = p
+
+
+def wait_gather(p: torch.nn.Parameter) -> None:
+    meta: PartitionedParam = p.sw_meta
+    if meta.status == RELEASED:
+        start_gather(p)
+    if meta.status == INFLIGHT:
+        if meta.work is not None:
+            meta.work.wait()
+        meta.work = None
+        meta.staging = None
+        p.data = meta.full[:meta.numel].view(meta.shape)
+        meta.status = GATHERED
+
+
+def gather(params: Iterable[torch.nn.Parameter]) -> None:
+    """Gather every partitioned parameter in ``params``: launch all, then wait for all."""
+    todo = [p for p in params if is_partitioned(p)]
+    for p in todo:
+        start_gather(p)
+    for p in todo:
+        wait_gather(p)
+
+
+def release(p: torch.nn.Parameter) -> None:
+    """Drop the gathered value of ``p`` (waits for an in-flight gather first)."""
+    meta: PartitionedParam = p.sw_meta
+    if meta.status == RELEASED:
+        return
+    if meta.status == INFLIGHT and meta.work is not None:
+        meta.work.wait()
+    meta.work = None
+    meta.staging = None
+    p.data = meta.empty
+    if meta.full is not None:
+        meta.full.untyped_storage().resize_(0)
+    meta.status = RELEASED
+    _LIVE.pop(id(p), None)
+
+
+def write_full_(p: torch.nn.Parameter, full: torch.Tensor) -> None:
+    """Store this rank's chunk of the full value ``full`` into the shard."""
+    meta: PartitionedParam = p.sw_meta
+    with torch.no_grad():
+        meta.shard[:meta.own_len].copy_(full.reshape(-1)[meta.own_lo:meta.own_hi])

@@ -1,0 +1,365 @@
+"""ZeRO stage 3: parameters, gradients and optimizer states all partitioned.
+
+Layout (see ``partition.py``): each large parameter keeps only this rank's chunk (its
+*shard*, compute dtype, on the accelerator or on the CPU under ``offload_param``); small
+parameters (fewer than ``param_persistence_threshold`` elements) stay whole on every rank.
+
+- **Forward/backward**: ``hooks.ParamCoordinator`` gathers each module's shards just before
+  the module runs (forward and backward) and releases them after, prefetching ahead.
+- **Gradients** of partitioned parameters are reduce-scattered as soon as autograd has
+  accumulated them, on *every* micro step, straight into this rank's fp32 gradient
+  partition (accumulated there across micro steps); the full-size gradient is freed at
+  once. Memory therefore stays at one partition per rank, at the price of one reduction per
+  micro step (DeepSpeed stage 3 makes the same choice).
+- **Small (persistent) parameters** are handled exactly like ZeRO stage 2, by a
+  ``DataParallelStrategy`` over just those parameters: whole weights on every rank,
+  gradients bucketed and reduce-scattered on the boundary, fp32 masters partitioned.
+- **Masters**: one fp32 flat buffer per optimizer param group holds this rank's owned
+  elements of every partitioned parameter of the group; each parameter's piece is a view,
+  so the optimizer's state maps onto ``ShardView``s one to one. Under
+  ``offload_optimizer`` it lives in (pinned) CPU memory and the step runs on the CPU.
+- **After the step** the masters are cast into the shards; nothing is all-gathered until
+  the next forward needs it.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...comm import reduce_scatter_flat
+from ...errors import ConfigError, ZeroError
+from ...utils.logging import log_dist
+from ..data_parallel import DataParallelStrategy
+from ..shard_view import ShardView
+from ..strategy import ZeroStrategy
+from . import partition as P
+from .hooks import ParamCoordinator
+from .param_offload import GradStager, alloc_host
+
+
+class Stage3Strategy(ZeroStrategy):
+    stage = 3
+
+    def __init__(self, *, config, module: torch.nn.Module, param_groups: Sequence[Sequence[tuple]],
+                 frozen: Sequence[tuple], group: Optional[dist.ProcessGroup],
+                 device: torch.device) -> None:
+        zero = config.zero_optimization
+        self.module = module
+        self.group = group
+        self.device = torch.device(device)
+        self.world, self.rank = P.group_info(group)
+        self.grads_partitioned = self.world > 1
+        self.compute_dtype = (config.compute_dtype if not config.torch_autocast.enabled
+                              else torch.float32)
+        comm = getattr(config, "communication_dtype", None)
+        # fp32 reductions unless asked otherwise: the sum over ranks keeps full precision
+        self.comm_dtype = comm if comm is not None else torch.float32
+        self.predivide = float(getattr(config, "gradient_predivide_factor", 1.0) or 1.0)
+        self.gather_on_save = bool(zero.gather_16bit_weights_on_model_save)
+        self.reduce_bucket = max(1, int(zero.reduce_bucket_size))
+        for key, dev in (("offload_param", zero.offload_param_device),
+                         ("offload_optimizer", zero.offload_optimizer_device)):
+            if dev == "nvme":
+                raise ConfigError(f"zero_optimization.{key}.device = \"nvme\" is not supported by "
+                                  "shardwise (no async-IO extension is compiled); use \"cpu\"")
+        self.offload_param = zero.offload_param_device == "cpu"
+        self.offload_opt = zero.offload_optimizer_device == "cpu"
+        self.pin_param = bool(self.offload_param and zero.offload_param.pin_memory)
+        self.pin_opt = bool(self.offload_opt and zero.offload_optimizer.pin_memory)
+        cpu = torch.device("cpu")
+        self.shard_device = cpu if self.offload_param else self.device
+        self.master_device = cpu if self.offload_opt else self.device
+
+        # 1. decide which parameters stay whole, partition (or adopt) the others
+        threshold = int(zero.param_persistence_threshold)
+        budget = int(zero.model_persistence_threshold)
+        self.names: Dict[int, str] = {}
+        persistent: Dict[int, bool] = {}
+        for name, p in module.named_parameters():
+            self.names[id(p)] = name
+            numel = p.sw_numel if P.is_partitioned(p) else p.numel()
+            keep = numel < threshold and budget - numel >= 0
+            if keep:
+                budget -= numel
+            persistent[id(p)] = keep
+            if keep and P.is_partitioned(p):
+                P.unpartition(p)
+            elif not keep:
+                self._partition(p)
+        # placeholders, whole parameters and buffers to the compute device and dtype
+        module.to(device=self.device, dtype=self.compute_dtype)
+
+        # 2. persistent parameters: a ZeRO-2 strategy over just them
+        whole_groups = [[(n, p) for n, p in named if persistent[id(p)]] for named in param_groups]
+        whole_frozen = [(n, p) for n, p in frozen if persistent[id(p)]]
+        self.whole = DataParallelStrategy(
+            stage=2, param_groups=whole_groups, group=group, device=self.device,
+            compute_dtype=self.compute_dtype, bucket_elems=self.reduce_bucket,
+            overlap_comm=bool(zero.overlap_comm), comm_dtype=comm, predivide=self.predivide,
+            # persistent masters stay on the device even under offload_optimizer: they are
+            # small, and one inner optimizer steps them together with the CPU masters
+            offload_device=None, frozen=whole_frozen)
+
+        # 3. masters of the partitioned trainable parameters, one flat buffer per group
+        self.trainable: List[List[torch.nn.Parameter]] = [
+            [p for _, p in named if not persistent[id(p)]] for named in param_groups]
+        self.frozen_parts = [p for _, p in frozen if not persistent[id(p)]]
+        self.flat_master: List[torch.Tensor] = []
+        self.flat_grad: List[torch.Tensor] = []
+        self.piece: Dict[int, torch.Tensor] = {}
+        for params in self.trainable:
+            total = sum(p.sw_meta.own_len for p in params)
+            master = alloc_host(total, self.master_device, self.pin_opt)
+            grad = alloc_host(total, self.master_device, self.pin_opt)
+            off = 0
+            for p in params:
+                meta = p.sw_meta
+                view = master[off:off + meta.own_len]
+                view.copy_(meta.shard[:meta.own_len])
+                view.grad = grad[off:off + meta.own_len]
+                off += meta.own_len
+                if meta.own_len:
+                    self.piece[id(p)] = view
+                meta.on_modified = self._refresh_master
+            self.flat_master.append(master)
+            self.flat_grad.append(grad)
+
+        # 4. hooks: gradients, module gather schedule, state_dict
+        self._pending: List[tuple] = []
+        self._pending_elems = 0
+        self._stager = GradStager(self.device, self.master_device)
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                            for params in self.trainable for p in params]
+        # requires_grad but not given to the optimizer: drop the gradient, free the weight
+        self._grad_hooks += [p.register_post_accumulate_grad_hook(self._drop_grad)
+                             for p in self.frozen_parts if p.requires_grad]
+        self.coordinator = ParamCoordinator(
+            module, prefetch_elems=int(zero.prefetch_bucket_size),
+            max_live=int(zero.max_live_parameters), max_reuse=int(zero.max_reuse_distance))
+        self._sd_hooks = []
+        for m in module.modules():
+            if any(P.is_partitioned(p) for p in m._parameters.values()):
+                self._sd_hooks.append(m._register_state_dict_hook(self._state_dict_hook))
+            if any(p is not None for p in m._parameters.values()):
+                self._sd_hooks += [m._register_load_state_dict_pre_hook(self._load_pre_hook,
+                                                                        with_module=True),
+                                   m.register_load_state_dict_post_hook(self._load_post_hook)]
+        for named in whole_groups:
+            for _, p in named:
+                p._sw_on_modified = self._refresh_whole
+        n_part = sum(1 for p in module.parameters() if P.is_partitioned(p))
+        log_dist(f"ZeRO stage 3: {n_part} partitioned parameters over {self.world} ranks, "
+                 f"{sum(persistent.values())} persistent; params on {self.shard_device}, "
+                 f"masters on {self.master_device}", ranks=[0])
+
+    def _partition(self, p: torch.nn.Parameter) -> None:
+        if P.is_partitioned(p):
+            P.adopt(p, shard_device=self.shard_device, compute_device=self.device,
+                    dtype=self.compute_dtype, pin=self.pin_param, world=self.world)
+            p.sw_meta.group = self.group
+            return
+        P.partition_param(p, world=self.world, rank=self.rank, group=self.group,
+                          shard_device=self.shard_device, compute_device=self.device,
+                          dtype=self.compute_dtype, pin=self.pin_param)
+
+    # --- optimizer groups -------------------------------------------------------------
+    def master_param_groups(self) -> List[List[torch.Tensor]]:
+        whole = self.whole.master_param_groups()
+        out = []
+        for gi, params in enumerate(self.trainable):
+            out.append([self.piece[id(p)] for p in params if id(p) in self.piece] + whole[gi])
+        return out
+
+    # --- backward -----------------------------------------------------------------------
+    def before_backward(self, boundary: bool) -> None:
+        self.whole.before_backward(boundary)
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        """Autograd finished ``p``'s gradient: reduce-scatter it, free it, release ``p``."""
+        grad, p.grad = p.grad, None
+        meta: P.PartitionedParam = p.sw_meta
+        if grad is not None:
+            buf = torch.zeros(meta.padded, dtype=self.comm_dtype, device=grad.device)
+            buf[:meta.numel].copy_(grad.reshape(-1))
+            del grad
+            if self.predivide != 1.0:
+                buf.div_(self.predivide)
+            if self.world == 1:
+                out, work = buf, None
+            else:
+                out = torch.empty(meta.chunk, dtype=self.comm_dtype, device=buf.device)
+                work = reduce_scatter_flat(out, buf, group=self.group, async_op=True)
+            self._pending.append((p, work, out, buf))
+            self._pending_elems += meta.padded
+            if self._pending_elems > self.reduce_bucket:
+                self._drain(keep_last=1)
+        if meta.active == 0:
+            P.release(p)
+
+    def _drop_grad(self, p: torch.nn.Parameter) -> None:
+        p.grad = None
+        if p.sw_meta.active == 0:
+            P.release(p)
+
+    def _drain(self, keep_last: int = 0) -> None:
+        """Wait for queued reductions and add them into the fp32 gradient partitions."""
+        while len(self._pending) > keep_last:
+            p, work, out, buf = self._pending.pop(0)
+            self._pending_elems -= p.sw_meta.padded
+            if work is not None:
+                work.wait()
+            piece = self.piece.get(id(p))
+            if piece is not None:
+                self._stager.add_into(piece.grad, out[:p.sw_meta.own_len])
+        self._stager.flush()
+
+    def after_backward(self, boundary: bool) -> None:
+        self._drain()
+        self.coordinator.sweep()
+        self.whole.after_backward(boundary)
+
+    # --- step -----------------------------------------------------------------------------
+    def master_grads(self) -> List[torch.Tensor]:
+        self._drain()
+        return [g for g in self.flat_grad if g.numel()] + self.whole.master_grads()
+
+    def optimizer_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
+        """Scale the fp32 gradient partitions by the engine's factor and step the masters."""
+        if factor is not None:
+            for g in self.flat_grad:
+                if g.numel():
+                    g.mul_(factor.to(g.device))
+        # scales the persistent parameters' gradients too, then runs inner.step() once
+        self.whole.optimizer_step(inner, factor)
+
+    def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
+        self.whole.bind_optimizer(inner)
+
+    def flush(self) -> None:
+        self.whole.flush()
+
+    @property
+    def grad_divisor(self) -> float:
+        return self.world / self.predivide if self.world > 1 else 1.0
+
+    def after_step(self, applied: bool) -> None:
+        if not applied:
+            return
+        self.coordinator.sweep()
+        with torch.no_grad():
+            for params in self.trainable:
+                for p in params:
+                    piece = self.piece.get(id(p))
+                    if piece is not None:
+                        p.sw_meta.shard[:piece.numel()].copy_(piece, non_blocking=True)
+        self.whole.after_step(applied)
+        if self.offload_opt and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def zero_grads(self) -> None:
+        for g in self.flat_grad:
+            g.zero_()
+        for params in self.trainable:
+            for p in params:
+                p.grad = None
+        self.whole.zero_grads()
+
+    # --- checkpoint contract -------------------------------------------------------------
+    def shard_views(self) -> List[ShardView]:
+        views = []
+        for p in [p for params in self.trainable for p in params] + self.frozen_parts:
+            meta = p.sw_meta
+            views.append(ShardView(name=self.names[id(p)], param=p, global_shape=meta.shape,
+                                   start=meta.own_lo, end=meta.own_hi,
+                                   weight=meta.shard[:meta.own_len], master=self.piece.get(id(p))))
+        return views + self.whole.shard_views()
+
+    def refresh_after_load(self, weights_only: bool = False) -> None:
+        self.coordinator.sweep()
+        with torch.no_grad():
+            for params in self.trainable:
+                for p in params:
+                    piece = self.piece.get(id(p))
+                    if piece is None:
+                        continue
+                    own = p.sw_meta.shard[:piece.numel()]
+                    if weights_only:
+                        piece.copy_(own)
+                    else:
+                        own.copy_(piece)
+        self.whole.refresh_after_load(weights_only)
+
+    def no_sync_allowed(self) -> Optional[str]:
+        return ("ZeRO stage 3 reduce-scatters gradients during backward; use "
+                "gradient_accumulation_steps instead of no_sync()")
+
+    # --- GatheredParameters(modifier_rank=...) support ---------------------------------
+    def _refresh_master(self, p: torch.nn.Parameter) -> None:
+        piece = self.piece.get(id(p))
+        if piece is not None:
+            with torch.no_grad():
+                piece.copy_(p.sw_meta.shard[:piece.numel()])
+
+    def _refresh_whole(self, p: torch.nn.Parameter) -> None:
+        bucket, slot = self.whole._slot_of[p]
+        if slot.master is not None and slot.master.data_ptr() != p.data.data_ptr():
+            with torch.no_grad():
+                slot.master.copy_(p.data.reshape(-1)[slot.own_lo:slot.own_hi])
+
+    # --- state_dict ---------------------------------------------------------------------
+    def _state_dict_hook(self, module: torch.nn.Module, state_dict, prefix: str, local_metadata):
+        if self.world > 1 and not self.gather_on_save:
+            raise ZeroError(
+                "state_dict() under ZeRO stage 3 with world size "
+                f"{self.world}: the parameters are partitioned and "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save is false, so the "
+                "full weights are not gathered. Set it to true (every rank must then call "
+                "state_dict() together), read them inside `with shardwise.zero."
+                "GatheredParameters(engine.module.parameters()):`, use engine.save_16bit_model(), "
+                "or save with engine.save_checkpoint() and run `shardwise convert`.")
+        for name, p in module._parameters.items():
+            key = prefix + name
+            if p is None or not P.is_partitioned(p) or key not in state_dict:
+                continue
+            meta = p.sw_meta
+            meta.active += 1
+            P.gather([p])
+            state_dict[key] = p.detach().clone()
+            meta.active -= 1
+            if meta.active == 0:
+                P.release(p)
+        return state_dict
+
+    def _load_pre_hook(self, module: torch.nn.Module, state_dict, prefix: str, *args) -> None:
+        """``load_state_dict``: gather the module's parameters so torch copies into full views
+        (all ranks call it together; one module at a time is gathered)."""
+        loading = [p for name, p in module._parameters.items()
+                   if p is not None and prefix + name in state_dict]
+        parts = [p for p in loading if P.is_partitioned(p)]
+        for p in parts:
+            p.sw_meta.active += 1
+        P.gather(parts)
+        module.__dict__["_sw_loading"] = loading
+
+    def _load_post_hook(self, module: torch.nn.Module, incompatible_keys) -> None:
+        """Keep this rank's chunk of the loaded values and refresh the fp32 masters."""
+        for p in module.__dict__.pop("_sw_loading", []):
+            if not P.is_partitioned(p):
+                if getattr(p, "_sw_on_modified", None) is not None:
+                    p._sw_on_modified(p)  # a whole parameter: its fp32 master slice
+                continue
+            meta = p.sw_meta
+            P.write_full_(p, p.data)
+            if meta.on_modified is not None:
+                meta.on_modified(p)
+            meta.active = max(0, meta.active - 1)
+            if meta.active == 0:
+                P.release(p)
+
+    def remove_hooks(self) -> None:
+        for h in self._grad_hooks + self._sd_hooks:
+            h.remove()
+        self.coordinator.remove()
+        self.whole.remove_hooks()
