@@ -46,7 +46,9 @@ def _model(params_m: float, hidden: int) -> torch.nn.Module:
 
 def _config(stage: int, bf16: bool) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           # torch_adam: DeepSpeed uses torch's AdamW instead of JIT-building FusedAdam (the
+           # checkpoint's contents are the same; shardwise always uses torch's kernels)
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
            "zero_optimization": {"stage": stage}}
     if bf16:
         cfg["bf16"] = {"enabled": True}
