@@ -128,6 +128,9 @@ def deepspeed_case(folder: Path, args: argparse.Namespace) -> Optional[Dict[str,
     except Exception as exc:  # not installed, or its import fails on this machine
         print(f"deepspeed: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
+    for key, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")):
+        os.environ.setdefault(key, value)  # DeepSpeed insists on launcher variables
     try:
         model = _model(args.params_m, args.hidden)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
