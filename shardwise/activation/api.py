@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ConfigError
 from ..utils.logging import log_dist, logger
-from .recompute import STATE, run_checkpoint
+from .recompute import STATE, CheckpointingSettings, run_checkpoint
 from .cpu_offload import warn_if_host_only
 from .profile import CheckpointRecord
 
@@ -32,24 +32,6 @@ _KEYS = {
 }
 # Keys shardwise adds to the section (used by the engine; configure() accepts and ignores them).
 _POLICY_KEYS = ("modules", "policy")
-
-
-@dataclass(frozen=True)
-class CheckpointingSettings:
-    """The validated ``activation_checkpointing`` values that the runtime uses."""
-
-    partition_activations: bool = False
-    """Split each saved input across the model-parallel group."""
-    contiguous_memory_optimization: bool = False
-    """Keep saved slices in one preallocated buffer (needs partition_activations)."""
-    cpu_checkpointing: bool = False
-    """Keep saved inputs in pinned host memory until the recompute."""
-    number_checkpoints: Optional[int] = None
-    """Checkpointed calls per forward; required by contiguous_memory_optimization."""
-    synchronize_checkpoint_boundary: bool = False
-    """Synchronize the device at each checkpoint's boundaries."""
-    profile: bool = False
-    """Log forward/recompute time and memory per checkpoint."""
 
 
 def _section_from(deepspeed_config: Any) -> dict:
@@ -128,8 +110,7 @@ def _log_effects(s: CheckpointingSettings, mp_world_size: int) -> None:
 
 def _install(settings: CheckpointingSettings, mpu: Any) -> None:
     STATE.mpu = mpu
-    for key in _KEYS:
-        setattr(STATE, key, getattr(settings, key))
+    STATE.settings = settings
     STATE.configured = True
     reset()
     logger.debug(f"activation checkpointing configured: {settings}")

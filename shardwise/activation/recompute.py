@@ -31,6 +31,24 @@ from .profile import Profiler
 from .rng import get_cuda_rng_tracker, get_rng_state, set_rng_state
 
 
+@dataclass(frozen=True)
+class CheckpointingSettings:
+    """The validated ``activation_checkpointing`` values that the runtime uses."""
+
+    partition_activations: bool = False
+    """Split each saved input across the model-parallel group."""
+    contiguous_memory_optimization: bool = False
+    """Keep saved slices in one preallocated buffer (needs partition_activations)."""
+    cpu_checkpointing: bool = False
+    """Keep saved inputs in pinned host memory until the recompute."""
+    number_checkpoints: Optional[int] = None
+    """Checkpointed calls per forward; required by contiguous_memory_optimization."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronize the device at each checkpoint's boundaries."""
+    profile: bool = False
+    """Log forward/recompute time and memory per checkpoint."""
+
+
 @dataclass
 class CheckpointState:
     """Module-level settings and counters (what ``configure()`` sets and ``reset()`` clears)."""
@@ -39,18 +57,8 @@ class CheckpointState:
     """``configure()`` (or the engine) has run."""
     mpu: Any = None
     """Model-parallel unit: ``get_model_parallel_{group,rank,world_size}()``; None = no MP."""
-    partition_activations: bool = False
-    """Keep only this model-parallel rank's slice of each saved input."""
-    contiguous_memory_optimization: bool = False
-    """Copy saved slices into one preallocated buffer with ``number_checkpoints`` slots."""
-    cpu_checkpointing: bool = False
-    """Keep saved inputs in (pinned) host memory until the recompute."""
-    number_checkpoints: Optional[int] = None
-    """Checkpointed calls per forward (sizes the contiguous buffer)."""
-    synchronize_checkpoint_boundary: bool = False
-    """Synchronize the device at the start and end of each checkpoint forward and recompute."""
-    profile: bool = False
-    """Record and log time and memory per checkpoint."""
+    settings: CheckpointingSettings = field(default_factory=CheckpointingSettings)
+    """The validated ``activation_checkpointing`` values in force."""
     sync_calls: int = 0
     """How many boundary synchronizations ran (observable effect of the key)."""
     calls: int = 0
@@ -64,8 +72,9 @@ class CheckpointState:
 
     def stashing(self) -> bool:
         """Whether inputs are transformed after the forward (else kept as they are)."""
-        return self.cpu_checkpointing or (self.partition_activations and
-                                          (self.mp_world_size() > 1 or self.contiguous_memory_optimization))
+        s = self.settings
+        return s.cpu_checkpointing or (s.partition_activations and
+                                       (self.mp_world_size() > 1 or s.contiguous_memory_optimization))
 
 
 STATE = CheckpointState()
@@ -97,7 +106,7 @@ def _replayed_rng(states: Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, 
 
 
 def _boundary_sync() -> None:
-    if STATE.synchronize_checkpoint_boundary:
+    if STATE.settings.synchronize_checkpoint_boundary:
         get_accelerator().synchronize()
         STATE.sync_calls += 1
 
@@ -139,8 +148,8 @@ class _Partitioned:
         flat = t.detach().reshape(-1)
         mine = flat[rank * self.chunk:(rank + 1) * self.chunk]
         self._slot: Optional[Tuple[_SlotBuffer, int]] = None
-        host = STATE.cpu_checkpointing
-        if STATE.contiguous_memory_optimization:
+        host = STATE.settings.cpu_checkpointing
+        if STATE.settings.contiguous_memory_optimization:
             target_device = torch.device("cpu") if host else t.device
             buf = _slot_buffer(input_index, self.chunk, t.dtype, target_device)
             slot, view = buf.take(input_index)
@@ -182,7 +191,7 @@ def _slot_buffer(input_index: int, numel: int, dtype: torch.dtype, device: torch
                 f"({buf.data.shape[1]} -> {numel} elements) while earlier checkpoints still hold "
                 f"their slots; contiguous buffers need every checkpointed layer to take inputs of "
                 f"one size (turn contiguous_memory_optimization off for this model)")
-        buf = _SlotBuffer(STATE.number_checkpoints, numel, dtype, device)
+        buf = _SlotBuffer(STATE.settings.number_checkpoints, numel, dtype, device)
         STATE.buffers[key] = buf
     return buf
 
@@ -206,10 +215,10 @@ class _Holder:
         for i, x in enumerate(self.flat):
             if not _is_activation(x):
                 continue
-            if STATE.partition_activations and (STATE.mp_world_size() > 1
-                                                or STATE.contiguous_memory_optimization):
+            if STATE.settings.partition_activations and (STATE.mp_world_size() > 1
+                                                or STATE.settings.contiguous_memory_optimization):
                 self.flat[i] = _Partitioned(x, i)
-            elif STATE.cpu_checkpointing:
+            elif STATE.settings.cpu_checkpointing:
                 self.flat[i] = HostCopy(x)
         self.stashed_bytes = sum(
             x.nbytes if isinstance(x, (_Partitioned, HostCopy)) else tensor_bytes(x)
@@ -252,7 +261,7 @@ def run_checkpoint(function: Callable[..., Any], args: tuple, kwargs: dict,
     flat, spec = tree_flatten((args, kwargs))
     holder = _Holder(flat, spec)
     rng = _capture_rng()
-    profiler = STATE.profiler if STATE.profile else None
+    profiler = STATE.profiler if STATE.settings.profile else None
 
     def run(*_device_marker: Any) -> Any:
         if not holder.ran:  # the real forward

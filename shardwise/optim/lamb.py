@@ -13,6 +13,8 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
+from ._state import collect_group
+
 from shardwise.errors import ConfigError
 
 __all__ = ["Lamb"]
@@ -72,31 +74,11 @@ class Lamb(torch.optim.Optimizer):
                 loss = closure()
         self.lamb_coeffs = []
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = self._collect(group)
-            if params:
-                self.lamb_coeffs.extend(
-                    _lamb_update(group, params, grads, exp_avgs, exp_avg_sqs, steps))
+            t = collect_group(self, group, ("exp_avg", "exp_avg_sq"))
+            if t["params"]:
+                self.lamb_coeffs.extend(_lamb_update(group, t["params"], t["grads"], t["exp_avg"],
+                                                     t["exp_avg_sq"], t["step"]))
         return loss
-
-    def _collect(self, group: dict):
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("Lamb does not support sparse gradients; use Adam/SparseAdam.")
-            state = self.state[p]
-            if not state:
-                # Same state layout as torch's Adam, so tools that read exp_avg work.
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        return params, grads, exp_avgs, exp_avg_sqs, steps
 
 
 def _lamb_update(group: dict, params: List[torch.Tensor], grads: List[torch.Tensor],

@@ -14,6 +14,8 @@ from typing import Callable, Iterable, Optional, Tuple
 
 import torch
 
+from ._state import collect_group
+
 from shardwise.errors import ConfigError
 
 __all__ = ["Lion"]
@@ -47,22 +49,9 @@ class Lion(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, exp_avgs, steps = [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients.")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                steps.append(state["step"])
-            if params:
-                _lion_update(group, params, grads, exp_avgs, steps)
+            t = collect_group(self, group, ("exp_avg",))
+            if t["params"]:
+                _lion_update(group, t["params"], t["grads"], t["exp_avg"], t["step"])
         return loss
 
 

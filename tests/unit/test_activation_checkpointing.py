@@ -217,7 +217,7 @@ def test_configure_from_dict_path_and_overrides(tmp_path):
     settings = ck.configure(deepspeed_config=str(path), checkpoint_in_cpu=False)
     assert ck.is_configured()
     assert settings.partition_activations and not settings.cpu_checkpointing
-    assert settings.number_checkpoints == 4 and ckmod.STATE.number_checkpoints == 4
+    assert settings.number_checkpoints == 4 and ckmod.STATE.settings.number_checkpoints == 4
     with pytest.raises(ConfigError, match="no such file"):
         ck.configure(deepspeed_config=str(tmp_path / "missing.json"))
 
