@@ -79,12 +79,13 @@ def _run(args: argparse.Namespace, setting: str, device: torch.device) -> Dict[s
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq), device=device)
     times: List[float] = []
-    act = peak = None
+    act = peak = base = None
     for step in range(args.warmup + args.steps):
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
+            base = before  # weights + optimizer states (gradients are set to None)
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         if cuda:
@@ -100,11 +101,15 @@ def _run(args: argparse.Namespace, setting: str, device: torch.device) -> Dict[s
     e = 2 if args.dtype == "bf16" else 4
     est = estimate_activations(model_shape(model), args.micro_batch, args.seq, "bf16" if e == 2 else "fp32",
                                _ESTIMATE_MODE[setting]).device
+    grads = sum(p.numel() for p in model.parameters()) * e
+    # the estimate of the peak: what lives before forward + activations + the gradients
+    est_peak = None if base is None else base + est + grads
     del model, opt, loss
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return {"step": sum(times) / len(times), "est": est, "act": act, "peak": peak}
+    return {"step": sum(times) / len(times), "est": est, "act": act, "peak": peak,
+            "est_peak": est_peak}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -121,11 +126,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = {s: _run(args, s, device) for s in settings}
     base = results.get("none", next(iter(results.values())))["step"]
     gib = lambda v: "n/a" if v is None else f"{v / GiB:.2f}"  # noqa: E731
-    print(f"{'setting':<10}{'step s':>9}{'ratio':>8}{'est act GiB':>13}{'act GiB':>10}{'est/act':>9}{'peak GiB':>10}")
+    print(f"{'setting':<10}{'step s':>9}{'ratio':>8}{'est act GiB':>13}{'act GiB':>10}{'est/act':>9}"
+          f"{'peak GiB':>10}{'est peak':>10}{'est/peak':>10}")
     for name, r in results.items():
         ratio = r["est"] / r["act"] if r["act"] else None
+        pk = r["est_peak"] / r["peak"] if r["peak"] and r["est_peak"] else None
         print(f"{name:<10}{r['step']:>9.3f}{r['step'] / base:>8.2f}{gib(r['est']):>13}{gib(r['act']):>10}"
-              f"{'n/a' if ratio is None else f'{ratio:.2f}':>9}{gib(r['peak']):>10}")
+              f"{'n/a' if ratio is None else f'{ratio:.2f}':>9}{gib(r['peak']):>10}"
+              f"{gib(r['est_peak']):>10}{'n/a' if pk is None else f'{pk:.2f}':>10}")
     return 0
 
 
