@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
+from ..comm import get_local_rank
 from ..config import ShardwiseConfig
 from ..errors import ConfigError, ZeroError
-from ..utils.logging import log_dist, logger
+from ..utils.logging import log_dist
 from ..zero.shard_view import ShardView
 from .step_logger import StepLogger, Timers
 from .zero_optimizer import ZeroOptimizer
@@ -46,7 +47,7 @@ class ShardwiseEngine(torch.nn.Module):
         self.loss_scaler = loss_scaler
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
-        self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
+        self.local_rank = get_local_rank()
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -279,6 +280,20 @@ class ShardwiseEngine(torch.nn.Module):
         from ..checkpoint.engine_io import save_16bit_model
         return save_16bit_model(self, save_dir, save_filename=save_filename,
                                 exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def destroy(self) -> None:
+        """Finish background work (a pending async checkpoint, a delayed update) and remove the
+        engine's hooks from the module (DeepSpeed's ``engine.destroy()``)."""
+        from ..checkpoint.async_save import wait_pending
+        wait_pending(self)
+        if self.strategy is not None:
+            self.strategy.flush()
+            remove = getattr(self.strategy, "remove_hooks", None)
+            if remove is not None:
+                remove()
+            pipeline = getattr(self.strategy, "pipeline", None)
+            if pipeline is not None:
+                pipeline.close()
 
     def __repr__(self) -> str:
         return (f"ShardwiseEngine(stage={self.zero_optimization_stage()}, dtype="

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
-from ..comm import init_distributed
+from ..comm import get_local_rank, init_distributed
 from ..config import ShardwiseConfig, load_config
 from ..errors import ConfigError
 from ..utils.logging import log_dist, logger
@@ -166,7 +166,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
         log_dist(note, ranks=[0])
 
     acc = get_accelerator()
-    local_rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
+    local_rank = get_local_rank()
     # more ranks than devices (several processes sharing one GPU, e.g. gloo tests): wrap around
     index = local_rank % max(acc.device_count(), 1) if acc.kind in ("cuda", "xpu") else None
     device = acc.device(index)

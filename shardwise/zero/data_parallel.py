@@ -296,8 +296,13 @@ class DataParallelStrategy(ZeroStrategy):
         return None
 
     def remove_hooks(self) -> None:
+        """Give the parameters back to plain autograd: no hooks, no gradient views."""
         for h in self._hooks:
             h.remove()
+        self._hooks = []
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                slot.param.grad = None
 
 
 def _global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:

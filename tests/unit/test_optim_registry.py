@@ -161,3 +161,18 @@ def test_auto_value_and_torch_rejections_become_config_errors():
         build_optimizer("AdamW", _params(), {"lr": "auto"})
     with pytest.raises(ConfigError, match="AdamW"):
         build_optimizer("AdamW", _params(), {"lr": -1.0})
+
+
+def test_deepspeed_ops_names_build_torch_optimizers() -> None:
+    import shardwise
+    from shardwise.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from shardwise.ops.lamb import FusedLamb
+    from shardwise.ops.lion import FusedLion
+    params = [torch.nn.Parameter(torch.randn(4))]
+    assert isinstance(FusedAdam(params, lr=0.1), torch.optim.AdamW)
+    assert type(FusedAdam(params, adam_w_mode=False)) is torch.optim.Adam
+    cpu = DeepSpeedCPUAdam(params, lr=0.2, weight_decay=0.1)
+    assert isinstance(cpu, torch.optim.AdamW) and cpu.defaults["weight_decay"] == 0.1
+    assert type(FusedLamb(params)).__name__ == "Lamb"
+    assert FusedLion(params).defaults["betas"] == (0.9, 0.999)
+    assert shardwise.ops.__name__ == "shardwise.ops"

@@ -107,3 +107,18 @@ def test_host_memory_stays_flat_over_hundreds_of_steps() -> None:
             rss.append(proc.memory_info().rss)
     assert {id(b.master_grad) for b in engine.strategy.buckets} == buffers  # reused
     assert rss[1] - rss[0] < 8 * 2**20, f"RSS grew by {(rss[1] - rss[0]) / 2**20:.1f} MiB"
+
+
+def test_destroy_flushes_a_delayed_update_and_removes_hooks() -> None:
+    cfg = engine_config(2, 4, 1, 0.0, 1e-2, zero_optimization=_offload(delayed_update=True))
+    engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
+    for x, y in global_batches(3, 4):
+        engine.backward(engine(x, y))
+        engine.step()
+    bucket = engine.strategy.buckets[0]
+    engine.destroy()
+    # the last CPU update reached the parameters
+    assert torch.equal(bucket.param_buf[bucket.lo:bucket.hi].float(), bucket.master)
+    x, y = global_batches(1, 4)[0]
+    engine.module(x, y).backward()  # hooks gone: plain autograd, no bucket accumulation
+    assert float(bucket.grad_buf.abs().sum()) == 0.0
