@@ -6,6 +6,7 @@ engine around the model and hands the harness one callable that runs a whole opt
 from __future__ import annotations
 
 import json
+import os
 import math
 import threading
 import time
@@ -56,6 +57,9 @@ class BenchConfig:
     """AdamW learning rate for every variant."""
     seed: int = 1234
     """Seed for the weights and the token ids, so every variant sees the same problem."""
+    nproc: int = 1
+    """Processes (one per GPU) started through the ``shardwise`` launcher; tokens/s is per GPU,
+    each rank trains on its own micro batches (the same batch per GPU at every world size)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -97,7 +101,8 @@ def build_model(cfg: BenchConfig, device: torch.device) -> torch.nn.Module:
 
 def make_batches(cfg: BenchConfig, device: torch.device) -> list[torch.Tensor]:
     """``grad_accum`` distinct micro batches of random ids, made once so timing excludes RNG."""
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    rank = int(os.environ.get("RANK", "0"))
+    gen = torch.Generator().manual_seed(cfg.seed + 1 + 1000 * rank)
     return [
         torch.randint(0, cfg.vocab, (cfg.micro_batch, cfg.seq), generator=gen).to(device)
         for _ in range(cfg.grad_accum)

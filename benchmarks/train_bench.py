@@ -16,6 +16,7 @@ in its table row and the run goes on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -81,6 +82,7 @@ MATCHING_DS = {
     "sw_z2_offload": "ds_z2_offload",
     "sw_z2_offload_dpu": "ds_z2_offload",
     "sw_z2_offload_bf16acc": "ds_z2_offload",
+    "sw_z1": "ds_z1",
     "sw_z3": "ds_z3",
     "sw_z3_offload": "ds_z3_offload",
     "sw_z3_offload_dpu": "ds_z3_offload",
@@ -146,6 +148,30 @@ def setup_torch(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchC
     return step
 
 
+def setup_ddp(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,
+              device: torch.device) -> StepFn:
+    """DistributedDataParallel (the stage-0 baseline): fp32 params, bf16 autocast, fused AdamW."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    set_single_process_env()
+    dist.init_process_group(backend_for(device))
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+
+    def step() -> torch.Tensor:
+        for i, x in enumerate(batches):
+            ctx = ddp.no_sync() if i < len(batches) - 1 else contextlib.nullcontext()
+            with ctx, torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = ddp(input_ids=x, labels=x).loss
+                (loss / len(batches)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
 def _setup_fsdp2(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,
                  device: torch.device, offload: bool) -> StepFn:
     import torch.distributed as dist
@@ -155,7 +181,7 @@ def _setup_fsdp2(model: torch.nn.Module, batches: list[torch.Tensor], cfg: Bench
 
     set_single_process_env()
     dist.init_process_group(backend_for(device))
-    mesh = init_device_mesh(device.type, (1,))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     # One FSDP unit per decoder layer plus the root (embeddings, norm, head): the usual wrap.
@@ -230,6 +256,7 @@ def _bind(setup: Callable[..., StepFn], zero_key: str) -> Callable[..., StepFn]:
 
 VARIANTS: dict[str, Callable[..., StepFn]] = {
     "torch": setup_torch,
+    "ddp": setup_ddp,
     "fsdp2": setup_fsdp2,
     "fsdp2_offload": setup_fsdp2_offload,
     "ds_z2": _bind(_setup_deepspeed, "z2"),
@@ -243,6 +270,7 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "sw_z2_offload_dpu": _bind(_setup_shardwise, "z2_offload_dpu"),
     "sw_z2_offload_bf16acc": _bind(_setup_shardwise, "z2_offload_bf16acc"),
     "sw_z3": _bind(_setup_shardwise, "z3"),
+    "ds_z1": _bind(_setup_deepspeed, "z1"),
     "sw_z3_offload": _bind(_setup_shardwise, "z3_offload"),
     "sw_z3_offload_dpu": _bind(_setup_shardwise, "z3_offload_dpu"),
 }
@@ -267,7 +295,8 @@ def environment_report(device: torch.device) -> dict[str, Any]:
 
 
 def run_worker(name: str, cfg: BenchConfig) -> dict[str, Any]:
-    device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     start = time.perf_counter()
@@ -278,6 +307,7 @@ def run_worker(name: str, cfg: BenchConfig) -> dict[str, Any]:
     step = VARIANTS[name](model, batches, cfg, device)
     measurement = measure(step, cfg, device, setup_s=time.perf_counter() - start)
     return {"variant": name, "n_params": n_params, "flops_per_token": flops_tok,
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
             **summarize(measurement, cfg, flops_tok), "env": environment_report(device)}
 
 
@@ -290,7 +320,8 @@ def worker_main(name: str, cfg: BenchConfig) -> int:
         result = {"variant": name, "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()}
         code = 1
-    print(RESULT_MARKER + json.dumps(result), flush=True)
+    if code != 0 or os.environ.get("RANK", "0") == "0":  # rank 0 speaks for a healthy run
+        print(RESULT_MARKER + json.dumps(result), flush=True)
     try:
         import torch.distributed as dist
 
@@ -304,7 +335,7 @@ def worker_main(name: str, cfg: BenchConfig) -> int:
 # ---------------------------------------------------------------------------------------------
 # Parent: run the variants one after another, each under a timeout.
 # ---------------------------------------------------------------------------------------------
-def _worker_env() -> dict[str, str]:
+def _worker_env(nproc: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT), str(BENCH_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -316,8 +347,14 @@ def _worker_env() -> dict[str, str]:
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         env["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-                "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    if nproc == 1:
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+                    "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    else:  # the launcher sets them per rank
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                    "LOCAL_WORLD_SIZE"):
+            env.pop(key, None)
+        env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared hosts
     return env
 
 
@@ -343,11 +380,12 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join(line for line in text[-lines:] if not line.startswith(RESULT_MARKER))
 
 
-def run_subprocess(argv: list[str], log_path: Path, timeout_s: float) -> tuple[int | None, float]:
+def run_subprocess(argv: list[str], log_path: Path, timeout_s: float,
+                   nproc: int = 1) -> tuple[int | None, float]:
     """Run argv with output to log_path; returns (exit code or None on timeout, seconds)."""
     start = time.perf_counter()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(),
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(nproc),
                                 cwd=str(REPO_ROOT))
         try:
             code: int | None = proc.wait(timeout=timeout_s)
@@ -363,7 +401,10 @@ def run_variant(name: str, cfg: BenchConfig, timeout_s: float, log_dir: Path,
     log_path = log_dir / f"{name}.log"
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
             "--config-json", cfg.to_json()]
-    code, wall = run_subprocess(argv, log_path, timeout_s)
+    if cfg.nproc > 1:  # one process per GPU, started the way users start them
+        argv = [sys.executable, "-m", "shardwise", "--num_gpus", str(cfg.nproc), "--no_local_rank",
+                "--master_port", str(free_port()), *argv[1:]]
+    code, wall = run_subprocess(argv, log_path, timeout_s, cfg.nproc)
     if verbose:
         sys.stderr.write(f"----- {name} log ({log_path})\n{log_path.read_text(errors='replace')}\n")
     result: dict[str, Any] | None = None
@@ -410,6 +451,7 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         r["mfu_pct"] = 100.0 * r["mfu"]
         r["x_fsdp2"] = ratio(r["tokens_per_s"], tok.get("fsdp2"))
         r["x_torch"] = ratio(r["tokens_per_s"], tok.get("torch"))
+        r["x_ddp"] = ratio(r["tokens_per_s"], tok.get("ddp"))
         ds = MATCHING_DS.get(r["variant"])
         r["ds_ref"] = ds
         r["x_ds"] = ratio(r["tokens_per_s"], tok.get(ds)) if ds else None
@@ -424,6 +466,7 @@ TABLE_COLUMNS = [
     ("host_rss_peak_gib", "host RSS GiB", ".2f"),
     ("x_fsdp2", "x fsdp2", ".2f"),
     ("x_torch", "x torch", ".2f"),
+    ("x_ddp", "x ddp", ".2f"),
     ("x_ds", "x ds", ".2f"),
     # Same weights and data everywhere, so a last loss far from torch's flags a broken variant.
     ("loss_last", "last loss", ".4f"),
@@ -464,6 +507,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed optimizer steps")
     p.add_argument("--steps", type=int, default=d.steps, help="timed optimizer steps")
     p.add_argument("--device", choices=["cuda", "cpu"], default=d.device)
+    p.add_argument("--nproc", type=int, default=d.nproc,
+                   help="processes (GPUs) per variant, started through the shardwise launcher")
     p.add_argument("--peak-tflops", type=float, default=d.peak_flops / 1e12,
                    help="peak bf16 dense TFLOP/s for MFU (H200: 989)")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -484,7 +529,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
                        heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab, seq=args.seq,
                        micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-                       warmup=args.warmup, steps=args.steps, device=args.device,
+                       warmup=args.warmup, steps=args.steps, device=args.device, nproc=args.nproc,
                        peak_flops=args.peak_tflops * 1e12)
 
 
@@ -547,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, cfg, results, extra)
     n_params = next((r["n_params"] for r in results if "n_params" in r), None)
     print()
-    print(f"model {n_params or '?'} params, {cfg.micro_batch}x{cfg.seq} tokens x "
+    print(f"world size {cfg.nproc} (tokens/s per GPU), "
+          f"model {n_params or '?'} params, {cfg.micro_batch}x{cfg.seq} tokens x "
           f"{cfg.grad_accum} micro batches per step, {cfg.warmup} warm-up + {cfg.steps} timed "
           f"steps, MFU vs {cfg.peak_flops / 1e12:.0f} TFLOP/s; ratios are tokens/s ratios")
     print(format_table(results, TABLE_COLUMNS))
