@@ -66,6 +66,7 @@ class DataParallelStrategy(ZeroStrategy):
                                       pin=pin_memory, separate_master=offloaded,
                                       grad_dtype=grad_dtype)
                 bucket.extra["offloaded"] = offloaded
+                bucket.extra["grad_is_master"] = bucket.master_grad.data_ptr() == bucket.grad_buf.data_ptr()
                 self.buckets.append(bucket)
                 group_buckets.append(bucket)
             self.groups.append(group_buckets)
@@ -76,6 +77,10 @@ class DataParallelStrategy(ZeroStrategy):
         self._boundary = False
         # parameters whose dtype is the accumulation dtype: autograd accumulates in place
         self._direct_grads = compute_dtype == grad_dtype
+        # otherwise the buffers only exist from a window's first gradient to the step: freed
+        # in between, so the forward's activations can use that memory (the peak of a step is
+        # at the start of backward, before any gradient exists)
+        self._free_grads = not self._direct_grads
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for slot in b.slots]
         self._attach_grad_views()
@@ -120,8 +125,18 @@ class DataParallelStrategy(ZeroStrategy):
         for bucket in self.buckets:
             bucket.pending = len(bucket.slots)
 
+    @staticmethod
+    def _materialize(bucket: Bucket) -> None:
+        """Give a freed gradient buffer its memory back, zeroed (views stay valid)."""
+        storage = bucket.grad_buf.untyped_storage()
+        nbytes = bucket.grad_buf.numel() * bucket.grad_buf.element_size()
+        if storage.size() < nbytes:
+            storage.resize_(nbytes)
+            bucket.grad_buf.zero_()
+
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         bucket, slot = self._slot_of[param]
+        self._materialize(bucket)
         view = grad_view(bucket, slot)
         grad = param.grad
         if grad is not None and grad.data_ptr() != view.data_ptr():
@@ -142,6 +157,7 @@ class DataParallelStrategy(ZeroStrategy):
         """Start the bucket's reduction (all-reduce for stage 0, reduce-scatter otherwise)."""
         if bucket.work is not None:
             return
+        self._materialize(bucket)  # a bucket none of whose parameters got a gradient
         if self.world == 1:
             bucket.work = _DONE
             bucket.extra["src"] = bucket.grad_buf
@@ -244,11 +260,13 @@ class DataParallelStrategy(ZeroStrategy):
         if self.pipeline is not None:
             self.pipeline.protect_device_grads()
         for bucket in self.buckets:
-            bucket.grad_buf.zero_()
+            if self._free_grads:
+                bucket.grad_buf.untyped_storage().resize_(0)
+            else:
+                bucket.grad_buf.zero_()
             # offloaded slices are overwritten whole by the next copy; a delayed update may
             # still be reading them
-            if (bucket.master_grad.data_ptr() != bucket.grad_buf.data_ptr()
-                    and not bucket.extra["offloaded"]):
+            if not bucket.extra["grad_is_master"] and not bucket.extra["offloaded"]:
                 bucket.master_grad.zero_()
         self._attach_grad_views()
 

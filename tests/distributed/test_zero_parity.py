@@ -11,6 +11,7 @@ import itertools
 import os
 
 import pytest
+import torch
 
 from tests.dist_utils import run_distributed
 from tests.distributed._parity import engine_config, max_rel_diff, reference_params, train_engine
@@ -31,6 +32,9 @@ def _all_cases(rank: int, world: int, fallback: bool):
         cfg = engine_config(stage, MICRO, ga, clip, LR, zero_optimization={
             "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": ratio}})
         results[("offload", stage, ga, clip, ratio)] = train_engine(rank, world, cfg, STEPS)
+    # bf16 (fp32 accumulation, buffers freed between steps), partitioned, accumulation + clip
+    cfg = engine_config(2, MICRO, 3, 0.05, LR, bf16={"enabled": True})
+    results[("bf16", 2)] = train_engine(rank, world, cfg, STEPS)
     return results
 
 
@@ -49,3 +53,8 @@ def test_stages_match_torch_reference(world: int, fallback: bool) -> None:
         for rank, results in enumerate(per_rank):
             bad = max_rel_diff(results[("offload", stage, ga, clip, ratio)], ref)
             assert not bad, f"offload stage {stage} ga {ga} ratio {ratio} world {world} rank {rank}: {bad}"
+    ref = reference_params(STEPS, MICRO * 3 * world, LR, 0.05)
+    for rank, results in enumerate(per_rank):
+        for k in ref:
+            got = results[("bf16", 2)][k]
+            assert torch.allclose(got, ref[k], rtol=0, atol=3e-2), (world, rank, k)

@@ -125,6 +125,14 @@ def test_bf16_trains_within_bf16_tolerance_of_fp32_reference() -> None:
     views = engine.shard_views()
     assert all(v.master.dtype == torch.float32 for v in views if v.master is not None)
     assert all(b.grad_buf.dtype == torch.float32 for b in engine.strategy.buckets)
+    # between steps the fp32 gradient buffers hold no memory (activations may use it)
+    x, y = global_batches(1, 8)[0]
+    for k in range(2):
+        engine.backward(engine(x[4 * k:4 * k + 4], y[4 * k:4 * k + 4]))
+        if k == 0:  # inside the accumulation window the buffers are live
+            assert all(b.grad_buf.untyped_storage().size() > 0 for b in engine.strategy.buckets)
+        engine.step()
+    assert all(b.grad_buf.untyped_storage().size() == 0 for b in engine.strategy.buckets)
     # data_types.grad_accum_dtype = bf16: half the gradient memory, still within bf16 tolerance
     cfg_bf16_acc = dict(cfg, data_types={"grad_accum_dtype": "bf16"})
     got2 = train_engine(0, 1, cfg_bf16_acc, steps=10)
