@@ -131,21 +131,28 @@ def backend_for(device: torch.device) -> str:
 # Variants. Each takes the built model and batches and returns a callable that runs one
 # optimizer step (all grad_accum micro batches) and returns the last micro batch's loss.
 # ---------------------------------------------------------------------------------------------
-def setup_torch(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,
-                device: torch.device) -> StepFn:
-    """Plain PyTorch: fp32 parameters, bf16 autocast, fused AdamW."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-
+def _autocast_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                   batches: list[torch.Tensor], device: torch.device,
+                   sync_context: Callable[[bool], Any]) -> StepFn:
+    """fp32 parameters under bf16 autocast; ``sync_context(last)`` wraps each micro batch."""
     def step() -> torch.Tensor:
-        for x in batches:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(input_ids=x, labels=x).loss
-            (loss / len(batches)).backward()
+        for i, x in enumerate(batches):
+            with sync_context(i == len(batches) - 1):
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = model(input_ids=x, labels=x).loss
+                (loss / len(batches)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
     return step
+
+
+def setup_torch(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,
+                device: torch.device) -> StepFn:
+    """Plain PyTorch: fp32 parameters, bf16 autocast, fused AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+    return _autocast_step(model, opt, batches, device, lambda last: contextlib.nullcontext())
 
 
 def setup_ddp(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,
@@ -158,18 +165,9 @@ def setup_ddp(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchCon
     dist.init_process_group(backend_for(device))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-
-    def step() -> torch.Tensor:
-        for i, x in enumerate(batches):
-            ctx = ddp.no_sync() if i < len(batches) - 1 else contextlib.nullcontext()
-            with ctx, torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = ddp(input_ids=x, labels=x).loss
-                (loss / len(batches)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    # gradients are all-reduced on the last micro batch only
+    return _autocast_step(ddp, opt, batches, device,
+                          lambda last: contextlib.nullcontext() if last else ddp.no_sync())
 
 
 def _setup_fsdp2(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,

@@ -50,14 +50,10 @@ def has_overflow(tensors: Iterable[Optional[torch.Tensor]]) -> bool:
     return False
 
 
-class StaticLossScaler:
-    """A fixed loss scale (``fp16.loss_scale`` > 0); never changes, never skips a step."""
+class _LossScaler:
+    """What both scalers share: the current scale and how a loss is scaled by it."""
 
-    def __init__(self, scale: float = 1.0) -> None:
-        _check_positive_finite("fp16.loss_scale", scale)
-        self.cur_scale: float = float(scale)
-        self.dynamic: bool = False
-        self.cur_iter: int = 0
+    cur_scale: float
 
     @property
     def loss_scale(self) -> float:
@@ -67,6 +63,16 @@ class StaticLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale``, to call backward on."""
         return loss * self.cur_scale
+
+
+class StaticLossScaler(_LossScaler):
+    """A fixed loss scale (``fp16.loss_scale`` > 0); never changes, never skips a step."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        _check_positive_finite("fp16.loss_scale", scale)
+        self.cur_scale: float = float(scale)
+        self.dynamic: bool = False
+        self.cur_iter: int = 0
 
     def update_scale(self, overflow: bool) -> None:
         """A static scale ignores overflow; only the iteration counter moves."""
@@ -84,7 +90,7 @@ class StaticLossScaler:
         return f"StaticLossScaler(cur_scale={self.cur_scale})"
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(_LossScaler):
     """DeepSpeed's dynamic loss scaler (same argument names and update rule).
 
     Args:
@@ -119,15 +125,6 @@ class DynamicLossScaler:
         self.consecutive_hysteresis: bool = bool(consecutive_hysteresis)
         self.raise_error_at_min_scale: bool = bool(raise_error_at_min_scale)
         self.dynamic: bool = True
-
-    @property
-    def loss_scale(self) -> float:
-        """The current scale (the same as ``cur_scale``)."""
-        return self.cur_scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * loss_scale``, to call backward on."""
-        return loss * self.cur_scale
 
     def update_scale(self, overflow: bool) -> None:
         """Advance one iteration; ``overflow`` says whether this iteration's grads were inf/NaN."""

@@ -237,11 +237,6 @@ class DataParallelStrategy(ZeroStrategy):
         self.pipeline.step(inner, self.eager,
                            lambda: float(factor) if factor is not None else None)
 
-    @property
-    def grad_divisor(self) -> float:
-        """What the reduced sums must be divided by to become the data-parallel mean."""
-        return self.world / self.predivide if self.world > 1 else 1.0
-
     def after_step(self, applied: bool) -> None:
         if not applied:
             return

@@ -29,6 +29,16 @@ class ZeroStrategy:
     """True when each rank holds only part of the gradients, so the global norm needs an
     all-reduce of the local sums of squares."""
 
+    world: int = 1
+    """Data-parallel ranks the gradients are reduced over."""
+    predivide: float = 1.0
+    """gradient_predivide_factor: sums are divided by it before the reduction."""
+
+    @property
+    def grad_divisor(self) -> float:
+        """What the reduced sums must be divided by to become the data-parallel mean."""
+        return self.world / self.predivide if self.world > 1 else 1.0
+
     def master_param_groups(self) -> List[List[torch.Tensor]]:
         """Per optimizer param group, the fp32 tensors the inner optimizer steps."""
         raise NotImplementedError

@@ -240,10 +240,6 @@ class Stage3Strategy(ZeroStrategy):
     def flush(self) -> None:
         self.whole.flush()
 
-    @property
-    def grad_divisor(self) -> float:
-        return self.world / self.predivide if self.world > 1 else 1.0
-
     def after_step(self, applied: bool) -> None:
         if not applied:
             return
