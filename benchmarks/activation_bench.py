@@ -2,8 +2,10 @@
 
 Default: the 1.1B Llama (hidden 2048, 22 layers, GQA 32/4 heads, vocab 32000) in bf16, micro
 batch 8 x 2048 tokens, AdamW, on CUDA. Settings: ``none`` (no checkpointing), ``full``,
-``selective``, ``offload`` (activations to pinned host memory, no recompute) and, on request,
-``full_cpu`` (full with ``cpu_checkpointing``). Sizes are flags, so a tiny model smoke-tests
+``selective`` (norms and the MLP's elementwise ops recomputed), ``selective_ops`` (torch's
+op-level selective checkpoint over each whole layer: the previous ``selective``), ``offload``
+(activations to pinned host memory, no recompute) and, on request, ``full_cpu`` (full with
+``cpu_checkpointing``). Sizes are flags, so a tiny model smoke-tests
 the script on CPU::
 
     python benchmarks/activation_bench.py                      # the GPU benchmark
@@ -31,8 +33,10 @@ import shardwise  # noqa: E402
 from shardwise.profiling.memory_estimator import GiB, estimate_activations, model_shape  # noqa: E402
 
 ck = shardwise.checkpointing
-SETTINGS = ("none", "full", "selective", "offload", "full_cpu")
-_ESTIMATE_MODE = {"none": False, "full": "full", "selective": "selective", "offload": "offload", "full_cpu": "cpu"}
+SETTINGS = ("none", "full", "selective", "selective_ops", "offload", "full_cpu")
+# Both selective policies keep the same number of bytes (different tensors): one estimate.
+_ESTIMATE_MODE = {"none": False, "full": "full", "selective": "selective", "selective_ops": "selective",
+                  "offload": "offload", "full_cpu": "cpu"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per setting")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--settings", default="none,full,selective,offload",
+    p.add_argument("--settings", default="none,full,selective,selective_ops,offload",
                    help=f"comma-separated, from {', '.join(SETTINGS)}")
     return p
 
@@ -126,12 +130,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = {s: _run(args, s, device) for s in settings}
     base = results.get("none", next(iter(results.values())))["step"]
     gib = lambda v: "n/a" if v is None else f"{v / GiB:.2f}"  # noqa: E731
-    print(f"{'setting':<10}{'step s':>9}{'ratio':>8}{'est act GiB':>13}{'act GiB':>10}{'est/act':>9}"
+    print(f"{'setting':<14}{'step s':>9}{'ratio':>8}{'est act GiB':>13}{'act GiB':>10}{'est/act':>9}"
           f"{'peak GiB':>10}{'est peak':>10}{'est/peak':>10}")
     for name, r in results.items():
         ratio = r["est"] / r["act"] if r["act"] else None
         pk = r["est_peak"] / r["peak"] if r["peak"] and r["est_peak"] else None
-        print(f"{name:<10}{r['step']:>9.3f}{r['step'] / base:>8.2f}{gib(r['est']):>13}{gib(r['act']):>10}"
+        print(f"{name:<14}{r['step']:>9.3f}{r['step'] / base:>8.2f}{gib(r['est']):>13}{gib(r['act']):>10}"
               f"{'n/a' if ratio is None else f'{ratio:.2f}':>9}{gib(r['peak']):>10}"
               f"{gib(r['est_peak']):>10}{'n/a' if pk is None else f'{pk:.2f}':>10}")
     return 0

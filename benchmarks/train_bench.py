@@ -7,11 +7,19 @@ JSON line per variant, prints a table last and writes everything to ``--out``.
 
     python benchmarks/train_bench.py                                  # all variants, 1.1B, GPU
     python benchmarks/train_bench.py --variants torch,fsdp2,sw_z2 --grad-accum 4
+    python benchmarks/train_bench.py --variants fsdp2_compile,ds_z2_compile,sw_z2_compile --timeout 900
     python benchmarks/train_bench.py --device cpu --layers 2 --hidden 64 --intermediate 128 \
         --heads 4 --kv-heads 2 --vocab 256 --seq 64 --micro-batch 2 --steps 2 --warmup 1
 
 A variant that fails (an unsupported stage, a JIT build that breaks, a timeout) gets its error
 in its table row and the run goes on.
+
+The ``*_compile`` variants torch.compile the model (``--compile-backend``, inductor by
+default): FSDP2 and shardwise compile each decoder layer (torchtitan's recipe; shardwise
+through its ``compile`` config section), DeepSpeed compiles the whole model with
+``engine.compile()`` (what DeepSpeed offers), and ``sw_z2_compile_module`` does the same in
+shardwise for the like-for-like comparison. Compiling happens in the first warm-up step, so
+the timed steps exclude it; give ``--timeout`` room for it.
 """
 from __future__ import annotations
 
@@ -86,7 +94,24 @@ MATCHING_DS = {
     "sw_z3": "ds_z3",
     "sw_z3_offload": "ds_z3_offload",
     "sw_z3_offload_dpu": "ds_z3_offload",
+    "sw_z2_compile": "ds_z2_compile",
+    "sw_z2_compile_module": "ds_z2_compile",
 }
+
+#: Environment variable that carries --compile-backend from the parent to the workers.
+COMPILE_BACKEND_ENV = "TRAIN_BENCH_COMPILE_BACKEND"
+
+
+def compile_backend() -> str:
+    """The torch.compile backend of the *_compile variants (inductor unless the parent says)."""
+    return os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+
+
+def _compile_check(compiled: bool, what: str) -> None:
+    """A *_compile row must not silently measure the eager model."""
+    if not compiled:
+        raise RuntimeError(f"{what}: the model was not compiled (see the warning above); "
+                           f"this row would measure eager code")
 
 
 def engine_config(cfg: BenchConfig, zero: dict[str, Any]) -> dict[str, Any]:
@@ -201,6 +226,13 @@ def _setup_fsdp2(model: torch.nn.Module, batches: list[torch.Tensor], cfg: Bench
     return step
 
 
+def setup_fsdp2_compile(model, batches, cfg, device) -> StepFn:
+    """FSDP2 as ``fsdp2`` with each decoder layer compiled first (torchtitan's order), in place."""
+    for layer in model.model.layers:
+        layer.compile(backend=compile_backend())
+    return _setup_fsdp2(model, batches, cfg, device, offload=False)
+
+
 def setup_fsdp2(model, batches, cfg, device) -> StepFn:
     """FSDP2 fully_shard on a world of 1, bf16 params / fp32 reduce, fused AdamW."""
     return _setup_fsdp2(model, batches, cfg, device, offload=False)
@@ -243,6 +275,40 @@ def _setup_shardwise(model, batches, cfg, device, zero_key: str) -> StepFn:
     return engine_step(engine, batches)
 
 
+def setup_ds_z2_compile(model, batches, cfg, device) -> StepFn:
+    """DeepSpeed ZeRO-2 as ``ds_z2``, then ``engine.compile()`` (the whole model)."""
+    import deepspeed
+
+    set_single_process_env()
+    deepspeed.init_distributed(dist_backend=backend_for(device))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=engine_config(cfg, ZERO_SECTIONS["z2"]))
+    engine.compile(backend=compile_backend())
+    _compile_check(bool(engine.is_compiled), "ds_z2_compile")
+    return engine_step(engine, batches)
+
+
+def _setup_shardwise_compile(model, batches, cfg, device, granularity: str) -> StepFn:
+    import shardwise
+
+    set_single_process_env()
+    config = engine_config(cfg, ZERO_SECTIONS["z2"])
+    config["compile"] = {"enabled": True, "backend": compile_backend(), "granularity": granularity}
+    engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    _compile_check(engine.is_compiled, f"shardwise compile ({granularity})")
+    return engine_step(engine, batches)
+
+
+def setup_sw_z2_compile(model, batches, cfg, device) -> StepFn:
+    """shardwise ZeRO-2 with "compile": {"enabled": true}: each decoder layer compiled."""
+    return _setup_shardwise_compile(model, batches, cfg, device, "blocks")
+
+
+def setup_sw_z2_compile_module(model, batches, cfg, device) -> StepFn:
+    """shardwise ZeRO-2 compiling the whole model (granularity "module"), like DeepSpeed."""
+    return _setup_shardwise_compile(model, batches, cfg, device, "module")
+
+
 def _bind(setup: Callable[..., StepFn], zero_key: str) -> Callable[..., StepFn]:
     def bound(model, batches, cfg, device) -> StepFn:
         return setup(model, batches, cfg, device, zero_key)
@@ -271,6 +337,10 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "ds_z1": _bind(_setup_deepspeed, "z1"),
     "sw_z3_offload": _bind(_setup_shardwise, "z3_offload"),
     "sw_z3_offload_dpu": _bind(_setup_shardwise, "z3_offload_dpu"),
+    "fsdp2_compile": setup_fsdp2_compile,
+    "ds_z2_compile": setup_ds_z2_compile,
+    "sw_z2_compile": setup_sw_z2_compile,
+    "sw_z2_compile_module": setup_sw_z2_compile_module,
 }
 
 
@@ -515,6 +585,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="JSON results file (default $OUT/train_bench.json when OUT is set)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="keep each variant's full log here (default: a temp dir)")
+    p.add_argument("--compile-backend", default=None,
+                   help=f"torch.compile backend of the *_compile variants (default inductor; "
+                        f"aot_eager smoke-tests them on a CPU without a C++ compiler)")
     p.add_argument("--ds-prebuild", action="store_true",
                    help="JIT-build DeepSpeed's Adam ops once before the DeepSpeed variants")
     p.add_argument("--verbose", action="store_true", help="echo each worker's log to stderr")
@@ -554,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
 
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     check_args(args, names)
+    if args.compile_backend:  # the workers inherit the parent's environment
+        os.environ[COMPILE_BACKEND_ENV] = args.compile_backend
     cfg = config_from_args(args)
     tmp = None
     if args.log_dir is None:

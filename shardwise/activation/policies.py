@@ -7,9 +7,13 @@ unchanged. Policies:
 
 * ``full``: recompute the whole module in backward (inputs kept, honouring
   ``cpu_checkpointing`` / ``partition_activations`` from ``configure()``).
-* ``selective``: keep the outputs of matmuls and attention kernels, recompute the cheap
-  elementwise ops (activations, norms, RoPE) - most of the memory saving at a fraction of the
-  recompute cost (needs torch >= 2.4; older torch falls back to ``full`` with a warning).
+* ``selective``: inside each wrapped block, recompute only the norm submodules and the MLP's
+  elementwise ops (its matmul outputs are kept); attention, RoPE and residuals are left alone
+  (see ``selective.py`` for what this keeps and why). A block without norm or MLP submodules
+  gets ``selective_ops``.
+* ``selective_ops``: torch's op-level selective checkpoint over the whole block: keep the
+  outputs of matmuls and attention kernels, recompute every other op (activations, norms,
+  RoPE). Needs torch >= 2.4; older torch falls back to ``full`` with a warning.
 * ``offload``: no recompute; every activation the module saves goes to pinned host memory and
   comes back in backward.
 
@@ -32,8 +36,9 @@ from ..errors import ConfigError
 from ..utils.logging import log_dist, warn_once
 from .recompute import run_checkpoint
 from .cpu_offload import OffloadSavedTensors, SavedTensorStats, warn_if_host_only
+from .selective import BlockScope, NormRecompute, current_scope, find_parts
 
-POLICIES = ("full", "selective", "offload")
+POLICIES = ("full", "selective", "selective_ops", "offload")
 
 
 def _saved_ops() -> Tuple[Any, ...]:
@@ -70,6 +75,10 @@ class _WrapInfo:
     original_forward: Optional[Callable[..., Any]]
     context_fn: Optional[Callable[[], Tuple[Any, Any]]]
     stats: SavedTensorStats = field(default_factory=SavedTensorStats)
+    role: str = "block"
+    """``block`` (a module ``apply`` matched) or, under ``selective``, ``norm`` / ``mlp``."""
+    parts: Tuple[str, ...] = ()
+    """Under ``selective``: qualified names (in the block) of the wrapped norms and MLPs."""
 
 
 _RECOMPUTING = threading.local()  # ids of modules whose __call__ is replaying a recompute
@@ -106,8 +115,31 @@ def _wrapped_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             return call(*args, **kwargs)
     if getattr(self, "gradient_checkpointing", False) is True:
         return call(*args, **kwargs)  # Hugging Face checkpoints this layer already
+    if info.policy == "selective" and info.parts:
+        with BlockScope():  # the norms and the MLP inside checkpoint themselves
+            return call(*args, **kwargs)
     return run_checkpoint(call, args, kwargs, context_fn=info.context_fn,
                           recompute_function=_recompute_through_call(self))
+
+
+def _part_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A norm or MLP inside a block wrapped with ``selective``: recomputed only while that
+    block's forward runs (so not in eval, under no_grad, in a recompute, or when called on
+    its own)."""
+    info: _WrapInfo = self._shardwise_ac
+    call = info.original_forward or functools.partial(type(self).forward, self)
+    scope = current_scope()
+    if (scope is None or not (self.training and torch.is_grad_enabled())
+            or id(self) in getattr(_RECOMPUTING, "ids", ())):
+        return call(*args, **kwargs)
+    if info.role == "norm":
+        recipe = NormRecompute(self, call, args, kwargs, _recompute_through_call(self))
+        scope.register(recipe)
+        out, recipe.output = recipe.output, None  # the recipe must not keep it alive
+        return out
+    return run_checkpoint(call, args, kwargs, context_fn=info.context_fn,
+                          recompute_function=_recompute_through_call(self),
+                          rebuild_input=scope.rebuild_input)
 
 
 @dataclass(frozen=True)
@@ -152,28 +184,54 @@ def apply(model: torch.nn.Module, policy: str = "full",
     if missing:
         raise ConfigError(f"activation_checkpointing.modules: {missing} not found in the model; "
                           f"module classes present: {', '.join(sorted(present))}")
-    context_fn = selective_context_fn() if policy == "selective" else None
+    context_fn = selective_context_fn() if policy in ("selective", "selective_ops") else None
     if policy == "offload":
         warn_if_host_only("activation_checkpointing.policy='offload'")
-    wrapped, skipped = [], []
+    wrapped, skipped, fallback = [], [], []
     for qualname, module in model.named_modules():
         if type(module).__name__ not in wanted:
             continue
         if hasattr(module, "_shardwise_ac") or getattr(module, "gradient_checkpointing", False) is True:
             skipped.append(qualname)
             continue
-        original = module.__dict__.get("forward")  # an instance-level forward someone set
-        module._shardwise_ac = _WrapInfo(policy, original, context_fn)
-        # A bound method (not a closure): deepcopy/pickle rebind it to the copied module.
-        module.forward = types.MethodType(_wrapped_forward, module)
+        info = _WrapInfo(policy, module.__dict__.get("forward"), context_fn)
+        if policy == "selective" and context_fn is not None:
+            info.parts = _wrap_parts(module, context_fn)
+            if not info.parts:
+                fallback.append(qualname)
+                info.policy = "selective_ops"
+        _wrap(module, info, _wrapped_forward)
         wrapped.append(qualname)
     log_dist(f"activation checkpointing ({policy}): wrapped {len(wrapped)} module(s) of class "
              f"{', '.join(wanted)}" + (f"; skipped {len(skipped)} (already checkpointed)" if skipped else ""))
+    if fallback:
+        log_dist(f"activation checkpointing (selective): {len(fallback)} block(s) have no norm or MLP "
+                 f"submodule ({fallback[0]}, ...), so they use op-level selective (selective_ops)")
     return ApplyResult(policy, tuple(wrapped), tuple(skipped))
 
 
+def _wrap(module: torch.nn.Module, info: _WrapInfo, forward: Callable[..., Any]) -> None:
+    module._shardwise_ac = info
+    # A bound method (not a closure): deepcopy/pickle rebind it to the copied module.
+    module.forward = types.MethodType(forward, module)
+
+
+def _wrap_parts(block: torch.nn.Module, context_fn: Callable[[], Tuple[Any, Any]]) -> Tuple[str, ...]:
+    """Wrap the norms and MLPs of ``block`` for ``selective``; returns their names in it."""
+    names = []
+    for role, name, part in find_parts(block):
+        if hasattr(part, "_shardwise_ac") or getattr(part, "gradient_checkpointing", False) is True:
+            continue  # checkpointed on its own already
+        info = _WrapInfo("selective", part.__dict__.get("forward"),
+                         context_fn if role == "mlp" else None, role=role)
+        _wrap(part, info, _part_forward)
+        names.append(name)
+    return tuple(names)
+
+
 def remove(model: torch.nn.Module) -> int:
-    """Undo ``apply``: restore every wrapped module's forward. Returns how many were restored."""
+    """Undo ``apply``: restore every wrapped module's forward (and, under ``selective``, its
+    norms' and MLPs'). Returns how many modules ``apply`` had matched."""
     count = 0
     for module in model.modules():
         info = module.__dict__.pop("_shardwise_ac", None)
@@ -183,7 +241,7 @@ def remove(model: torch.nn.Module) -> int:
             module.forward = info.original_forward
         else:
             module.__dict__.pop("forward", None)
-        count += 1
+        count += info.role == "block"
     return count
 
 

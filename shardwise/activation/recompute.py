@@ -29,6 +29,7 @@ from ..errors import ConfigError
 from .cpu_offload import HostCopy, tensor_bytes
 from .profile import Profiler
 from .rng import get_cuda_rng_tracker, get_rng_state, set_rng_state
+from .selective import RebuiltInput
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,10 @@ def _is_activation(x: Any) -> bool:
             and not isinstance(x, torch.nn.Parameter) and x.device.type != "meta")
 
 
+def _is_stashed(x: Any) -> bool:
+    return isinstance(x, (_Partitioned, HostCopy, RebuiltInput))
+
+
 class _Holder:
     """Keeps one checkpoint's inputs (as given, or as stash entries) for its recompute."""
 
@@ -226,11 +231,19 @@ class _Holder:
 
     def prefetch(self) -> None:
         for x in self.flat:
-            if isinstance(x, (_Partitioned, HostCopy)):
+            if _is_stashed(x):
                 x.prefetch()
 
+    def rebuild(self, rebuild_input: Callable[[Any], Any]) -> None:
+        """Replace inputs that another recompute can rebuild (see ``run_checkpoint``)."""
+        for i, x in enumerate(self.flat):
+            if isinstance(x, torch.Tensor):
+                rebuilt = rebuild_input(x)
+                if rebuilt is not None:
+                    self.flat[i] = rebuilt
+
     def inputs(self) -> Tuple[tuple, dict]:
-        flat = [x.restore() if isinstance(x, (_Partitioned, HostCopy)) else x for x in self.flat]
+        flat = [x.restore() if _is_stashed(x) else x for x in self.flat]
         return tree_unflatten(flat, self.spec)
 
 
@@ -250,11 +263,15 @@ def _noop_context_fn() -> Tuple[Any, Any]:
 
 def run_checkpoint(function: Callable[..., Any], args: tuple, kwargs: dict,
                    context_fn: Optional[Callable[[], Tuple[Any, Any]]] = None,
-                   recompute_function: Optional[Callable[..., Any]] = None) -> Any:
+                   recompute_function: Optional[Callable[..., Any]] = None,
+                   rebuild_input: Optional[Callable[[torch.Tensor], Any]] = None) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute in backward.
 
     ``recompute_function`` (default ``function``) is what the recompute calls; module
     policies pass the module's ``__call__`` so its hooks (e.g. ZeRO-3 gathers) run again.
+    ``rebuild_input(tensor)`` may return, for an input, an object whose ``restore()`` rebuilds
+    it in backward (the ``selective`` policy: a norm's output, recomputed by the norm); the
+    checkpoint then keeps that object instead of the tensor.
     """
     if not torch.is_grad_enabled():  # nothing will be recomputed, so there is nothing to save
         return function(*args, **kwargs)
@@ -291,6 +308,8 @@ def run_checkpoint(function: Callable[..., Any], args: tuple, kwargs: dict,
     marker = () if device is None else (torch.empty(0, device=device),)
     out = _torch_checkpoint(run, *marker, use_reentrant=False, preserve_rng_state=False,
                             context_fn=context_fn or _noop_context_fn)
+    if rebuild_input is not None:
+        holder.rebuild(rebuild_input)
     if STATE.stashing():
         holder.stash()
         if len(STATE.live) > 256:  # forwards without backward leave dead references behind

@@ -46,24 +46,41 @@ def enabled(engine: Any) -> bool:
     return bool(getattr(section, "async_save", False))
 
 
-def _pin(t: torch.Tensor) -> torch.Tensor:
-    try:
-        from ..accelerator import get_accelerator
-        return get_accelerator().pin_memory(t)
-    except Exception:  # pinning is an optimisation only
-        return t
+def _pinned_empty(shape: Any, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor, allocated pinned when ``pin`` (falls back to pageable).
+
+    Allocating pinned directly matters: ``torch.empty(...).pin_memory()`` allocates twice
+    and copies the whole (garbage) tensor once more before the real copy."""
+    if pin:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError:  # pinned memory exhausted or refused: pageable still works
+            pass
+    return torch.empty(shape, dtype=dtype)
 
 
 def stage_items(items: List[TensorItem]) -> List[TensorItem]:
-    """Snapshot every tensor into (pinned) CPU memory; returns items pointing at the copies."""
+    """Snapshot every tensor into (pinned) CPU memory; returns items pointing at the copies.
+
+    Device tensors are copied asynchronously into pinned memory and synchronised once at the
+    end, so the copies queue back to back on the DMA engine; the background writer then
+    writes the host copies straight from their memory (no further copy)."""
+    try:
+        from ..accelerator import get_accelerator
+        accel = get_accelerator()
+        pin = accel.pin_memory_supported()
+    except Exception:  # pinning is an optimisation only
+        accel, pin = None, False
     staged = []
+    pending = False
     for item in items:
-        src = item.source() if callable(item.source) else item.source
-        copy = _pin(torch.empty(src.shape, dtype=src.dtype))
-        copy.copy_(src.detach(), non_blocking=copy.is_pinned())
+        src = (item.source() if callable(item.source) else item.source).detach()
+        copy = _pinned_empty(src.shape, src.dtype, pin and src.device.type != "cpu")
+        copy.copy_(src, non_blocking=copy.is_pinned())
+        pending = pending or copy.is_pinned()
         staged.append(TensorItem(item.key, item.dtype, item.shape, copy, item.info))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    if pending:  # the snapshot must be complete before training changes the tensors
+        accel.synchronize()
     return staged
 
 

@@ -9,7 +9,7 @@ from .batch import resolve_batch
 from .ignored import IGNORED_SECTIONS
 from .loader import STRICT_ENV, load_config
 from .models import (ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig,
-                     DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig,
+                     CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                      TorchAutocastConfig, WindowsSpecificConfig)
 from .platform_keys import platform_key_notes
 from .shardwise_config import ShardwiseConfig
@@ -20,5 +20,5 @@ __all__ = [
     "STRICT_ENV", "ConfigModel", "canonical_dtype_name", "ZeroConfig", "OffloadOptimizerConfig",
     "OffloadParamConfig", "FP16Config", "BF16Config", "TorchAutocastConfig", "OptimizerConfig",
     "SchedulerConfig", "ActivationCheckpointingConfig", "CheckpointConfig", "AioConfig",
-    "DataTypesConfig", "WindowsSpecificConfig",
+    "DataTypesConfig", "WindowsSpecificConfig", "CompileConfig",
 ]

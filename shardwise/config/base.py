@@ -73,3 +73,8 @@ class ConfigModel(BaseModel):
         Returns the value to validate; ``notes`` collects warning texts.
         """
         return raw
+
+
+def lowered(value: Any) -> Any:
+    """Validator helper: enum-like strings are matched case- and space-insensitively."""
+    return value.strip().lower() if isinstance(value, str) else value

@@ -36,7 +36,6 @@ IGNORED_SECTIONS: Dict[str, str] = {
     "quantize_training": "quantization-aware training (MoQ) is not implemented",
     "weight_quantization": "weight quantization is not implemented",
     "nebula": "the Azure Nebula checkpoint service is not supported; checkpoints go to disk",
-    "compile": "call torch.compile(model) yourself before shardwise.initialize",
     "graph_harvesting": "CUDA graph capture is not implemented",
     "timers": "timing is controlled by wall_clock_breakdown",
     "disable_allgather": "parameters are always gathered with all-gather after the step",

@@ -1,5 +1,5 @@
 """The small config sections: precision, optimizer, scheduler, activation checkpointing,
-checkpoint, aio, data types and the seed's ``windows_specific``.
+checkpoint, aio, data types, compile and the seed's ``windows_specific``.
 
 Field names, defaults and meanings follow DeepSpeed's config-json reference; fields that
 are ours (not DeepSpeed's) say so in their docstring.
@@ -13,7 +13,7 @@ from pydantic import Field, field_serializer, field_validator, model_validator
 
 from shardwise.errors import ConfigError
 
-from .base import ConfigModel, canonical_dtype_name, torch_dtype_of
+from .base import ConfigModel, canonical_dtype_name, lowered, torch_dtype_of
 
 
 class FP16Config(ConfigModel):
@@ -118,14 +118,14 @@ class ActivationCheckpointingConfig(ConfigModel):
     """Log forward/backward time of each checkpointed function (DeepSpeed)."""
     modules: List[str] = Field(default_factory=list)
     """Ours: class names of the modules to wrap in activation checkpointing (e.g. "GPT2Block")."""
-    policy: Literal["full", "selective", "offload"] = "full"
-    """Ours: "full" recomputes the whole module, "selective" keeps cheap-to-store ops (matmul
-    outputs) and recomputes the rest, "offload" keeps saved tensors in (pinned) CPU memory."""
+    policy: Literal["full", "selective", "selective_ops", "offload"] = "full"
+    """Ours: "full" recomputes the whole module; "selective" keeps the matmul and attention
+    outputs and recomputes the norms and the MLP's elementwise ops from their inputs (see
+    docs/activation.md); "selective_ops" is the op-level variant (torch's selective
+    checkpoint over the whole block: keep matmul/attention outputs, recompute every other
+    op); "offload" keeps saved tensors in (pinned) CPU memory."""
 
-    @field_validator("policy", mode="before")
-    @classmethod
-    def _lower_policy(cls, value: Any) -> Any:
-        return value.strip().lower() if isinstance(value, str) else value
+    _lower_policy = field_validator("policy", mode="before")(classmethod(lambda cls, value: lowered(value)))
 
     @field_validator("number_checkpoints", mode="before")
     @classmethod
@@ -204,7 +204,111 @@ class WindowsSpecificConfig(ConfigModel):
     (lower peak reserved memory, notably under Windows' WDDM driver, at some speed cost).
     "normal" and "none" leave the caching allocator alone."""
 
-    @field_validator("memory_optimization", mode="before")
+    _lower = field_validator("memory_optimization", mode="before")(
+        classmethod(lambda cls, value: lowered(value)))
+
+
+#: DeepCompile's tuning keys (DeepSpeed >= 0.16.6 puts them in the ``compile`` section). They
+#: only steer DeepCompile's graph passes, which shardwise does not have: accepted, dropped, noted.
+DEEPCOMPILE_KEYS = (
+    "free_activation", "free_activation_threshold", "offload_activation", "offload_opt_states",
+    "double_buffer", "symmetric_memory", "debug_log", "dump_graphs", "offload_parameters",
+    "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather",
+    "keep_int_input_tensors", "keep_all_input_tensors", "passes", "autoep_non_moe",
+)
+
+
+def torch_compile_kwarg_names() -> List[str]:
+    """Keyword arguments of this torch's ``torch.compile`` that a config may set (all but the
+    model and the backend, which has its own key). Read from the signature, so a newer torch's
+    new arguments are accepted without a change here."""
+    import inspect
+    compile_fn = getattr(torch, "compile", None)
+    if compile_fn is None:
+        return []
+    params = inspect.signature(compile_fn).parameters
+    return [name for name, p in params.items()
+            if name not in ("model", "backend") and p.kind == inspect.Parameter.KEYWORD_ONLY]
+
+
+def check_compile_kwargs(kwargs: Dict[str, Any], key: str) -> Dict[str, Any]:
+    """Raise ConfigError unless every key of ``kwargs`` is a ``torch.compile`` keyword argument
+    (``backend`` is refused: it has its own key). ``key`` names the source in the message."""
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"{key} = {kwargs!r} ({type(kwargs).__name__}) must be a dict of "
+                          f"torch.compile keyword arguments, e.g. {{\"mode\": \"max-autotune\"}}.")
+    if "backend" in kwargs:
+        raise ConfigError(f"{key} has \"backend\": {kwargs['backend']!r}, but the backend has its "
+                          f"own key: move it to compile.backend (or engine.compile(backend=...)) "
+                          f"and remove it from {key}.")
+    allowed = torch_compile_kwarg_names()
+    bad = sorted(k for k in kwargs if k not in allowed)
+    if bad and allowed:
+        raise ConfigError(f"{key}: {bad} {'is not a' if len(bad) == 1 else 'are not'} "
+                          f"torch.compile keyword argument{'s' if len(bad) > 1 else ''} in torch "
+                          f"{torch.__version__}; valid: {', '.join(allowed)} (e.g. "
+                          f"{{\"mode\": \"max-autotune\"}}). Remove or rename {bad}.")
+    return dict(kwargs)
+
+
+class CompileConfig(ConfigModel):
+    """``compile``: ``torch.compile`` the model when the engine is built (DeepSpeed's section).
+
+    DeepSpeed 0.14 compiled the model when ``enabled`` was true; later DeepSpeed releases ask
+    for ``engine.compile()`` and reuse the section for DeepCompile. shardwise does both:
+    ``enabled`` compiles at ``initialize()``, ``engine.compile()`` compiles on demand, and the
+    DeepCompile keys load with a warning (there are no DeepCompile graph passes here)."""
+
+    inert = {"deepcompile": "DeepCompile's graph passes (ZeRO-3 gather/offload scheduling inside "
+                            "the compiled graph) are not implemented; compile.enabled or "
+                            "engine.compile() runs plain torch.compile"}
+
+    enabled: bool = False
+    """Compile the model with ``torch.compile`` at ``initialize()`` (DeepSpeed 0.14's key);
+    ``engine.compile()`` does the same later. Under ZeRO stage 3 compiling is skipped with a
+    warning (its per-module gather hooks cannot run inside a compiled graph)."""
+    backend: str = "inductor"
+    """``torch.compile`` backend: a name from ``torch._dynamo.list_backends()`` ("inductor",
+    "aot_eager", "eager", "cudagraphs", ...) or a dotted path "package.module.fn" to a backend
+    callable (DeepSpeed's rule). When the backend cannot work here (no Triton for a GPU, no
+    C++ compiler for inductor on CPU, no dynamo), the model stays eager with one warning."""
+    kwargs: Dict[str, Any] = Field(default_factory=dict)
+    """Further ``torch.compile`` keyword arguments ("mode", "fullgraph", "dynamic", "options",
+    ...); checked against this torch's ``torch.compile`` signature."""
+    granularity: Literal["blocks", "module"] = "blocks"
+    """Ours: "blocks" compiles each repeated block separately (every child of the model's
+    largest ``nn.ModuleList`` of one class, e.g. the decoder layers; torchtitan's recipe):
+    compile time is that of one block, since the blocks share one graph, and a graph break
+    stays inside one block. "module" compiles the whole model in one piece, as DeepSpeed's
+    ``engine.compile()`` does. A model without such a list is compiled whole."""
+    deepcompile: bool = False
+    """DeepSpeed's DeepCompile switch; accepted, no effect (warns when true)."""
+
+    _lower_granularity = field_validator("granularity", mode="before")(classmethod(lambda cls, value: lowered(value)))
+
+    @field_validator("backend", mode="before")
     @classmethod
-    def _lower(cls, value: Any) -> Any:
-        return value.strip().lower() if isinstance(value, str) else value
+    def _backend_name(cls, value: Any) -> Any:
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"compile.backend = {value!r} ({type(value).__name__}) must be a "
+                              f"backend name such as \"inductor\", \"aot_eager\" or \"eager\", or a "
+                              f"dotted path \"package.module.fn\" (a callable backend can be passed "
+                              f"to engine.compile(backend=...)).")
+        return value.strip()
+
+    @field_validator("kwargs", mode="before")
+    @classmethod
+    def _check_kwargs(cls, value: Any) -> Any:
+        return check_compile_kwargs({} if value is None else value, "compile.kwargs")
+
+    @classmethod
+    def rewrite_raw(cls, raw: Any, path: str, notes: list) -> Any:
+        """Drop DeepCompile's tuning keys (one note naming them) so they do not read as unknown."""
+        if not isinstance(raw, dict):
+            return raw
+        dropped = [k for k in raw if k in DEEPCOMPILE_KEYS or str(k).startswith("global_layer_scheduler")]
+        if dropped:
+            notes.append(f"Config keys {', '.join(f'{path}.{k}' for k in dropped)} are DeepCompile "
+                         f"options, accepted with no effect: shardwise has no DeepCompile graph "
+                         f"passes (compile.enabled runs plain torch.compile).")
+        return {k: v for k, v in raw.items() if k not in dropped}

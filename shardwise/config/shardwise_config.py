@@ -14,7 +14,7 @@ from shardwise.errors import ConfigError
 
 from .base import ConfigModel, canonical_dtype_name, torch_dtype_of
 from .models import (ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig,
-                     DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig,
+                     CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                      TorchAutocastConfig, WindowsSpecificConfig)
 from .zero import ZeroConfig
 
@@ -82,6 +82,8 @@ class ShardwiseConfig(ConfigModel):
     """Dtypes of internal buffers."""
     windows_specific: WindowsSpecificConfig = Field(default_factory=WindowsSpecificConfig)
     """The seed article's Windows section (see platform_keys.py)."""
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    """torch.compile of the model at initialize() (runtime/compile.py applies it)."""
 
     # --- accepted, kept verbatim, no effect (reasons in ignored.py) ----------------------
     tensorboard: Any = None
@@ -126,8 +128,6 @@ class ShardwiseConfig(ConfigModel):
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     nebula: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    compile: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     graph_harvesting: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     timers: Any = None
@@ -162,6 +162,12 @@ class ShardwiseConfig(ConfigModel):
     _world_size: int = PrivateAttr(default=1)
     _auto_paths: FrozenSet[str] = PrivateAttr(default_factory=frozenset)
     _notes: List[str] = PrivateAttr(default_factory=list)
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _null_compile(cls, value: Any) -> Any:
+        # "compile": null (or false) is DeepSpeed's "no compile section": the defaults, off.
+        return {} if value is None or value is False else value
 
     @field_validator("communication_data_type", mode="before")
     @classmethod

@@ -13,13 +13,9 @@ from pydantic import Field, field_validator, model_validator
 
 from shardwise.errors import ConfigError
 
-from .base import ConfigModel
+from .base import ConfigModel, lowered
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
-
-
-def _lower(value: Any) -> Any:
-    return value.strip().lower() if isinstance(value, str) else value
 
 
 class OffloadOptimizerConfig(ConfigModel):
@@ -52,7 +48,7 @@ class OffloadOptimizerConfig(ConfigModel):
     @field_validator("device", mode="before")
     @classmethod
     def _lower_device(cls, value: Any) -> Any:
-        return _lower(value)
+        return lowered(value)
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> "OffloadOptimizerConfig":
@@ -84,7 +80,7 @@ class OffloadParamConfig(ConfigModel):
     @field_validator("device", mode="before")
     @classmethod
     def _lower_device(cls, value: Any) -> Any:
-        return _lower(value)
+        return lowered(value)
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> "OffloadParamConfig":

@@ -5,6 +5,10 @@ The pipeline, per optimizer step:
 
 1. During the boundary backward, as each bucket's gradients are final (and reduced), its
    fp32 gradient slice is copied to pinned CPU memory on a side stream (no host sync).
+   With *host accumulation* (``DataParallelStrategy.host_accumulate``) this also happens on
+   every earlier micro step of the window: the pinned partition is brought back, added on
+   the device and copied out again, so the device's gradient buffer can be freed between
+   micro steps.
 2. *Eager mode* (no clipping, no fp16 — the update is known as soon as a bucket's
    gradients are): a worker thread steps that bucket on the CPU right away, while the GPU is
    still running backward for earlier layers. Otherwise the step runs once every gradient
@@ -57,11 +61,19 @@ class OptimizerOffload:
                     slot.master.grad = None  # attached only while that bucket is stepped
 
     # --- 1. gradients to the CPU ------------------------------------------------------------
-    def grad_ready(self, bucket: Bucket, reduced: torch.Tensor, work) -> None:
-        """Queue the device-to-host copy of a bucket's reduced gradient slice."""
+    def grad_ready(self, bucket: Bucket, reduced: torch.Tensor, work,
+                   accumulate: bool = False) -> None:
+        """Queue the device-to-host copy of a bucket's reduced gradient slice.
+
+        ``accumulate``: the host already holds this window's earlier gradients of the
+        bucket (streamed on earlier micro steps). They are brought back and added into
+        ``reduced`` on the device first, so ``reduced`` ends up holding the window's total
+        (what the norm and overflow checks read) and the host gets the total back."""
         if not self.cuda:
             if work is not None:
                 work.wait()
+            if accumulate:
+                reduced.add_(bucket.master_grad.to(reduced.dtype))
             bucket.master_grad.copy_(reduced)
             self._grad_events[bucket.index] = None
             return
@@ -70,6 +82,10 @@ class OptimizerOffload:
         with torch.cuda.stream(self.stream):
             if work is not None:
                 work.wait()  # NCCL: makes the copy stream wait for the collective, not the host
+            if accumulate:
+                earlier = self._staging[:reduced.numel()]
+                earlier.copy_(bucket.master_grad, non_blocking=True)
+                reduced.add_(earlier)
             if reduced.dtype != bucket.master_grad.dtype:
                 # low-precision accumulation: widen on the device, then DMA (stream-ordered)
                 staged = self._staging[:reduced.numel()]

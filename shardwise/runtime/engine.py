@@ -211,8 +211,7 @@ class ShardwiseEngine(torch.nn.Module):
         if self.loss_scaler is not None:
             inv /= self.loss_scaler.cur_scale
         clip = float(self.config.gradient_clipping or 0.0)
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(self.device)
-                 for g in grads if g.numel()]
+        norms = [n.to(self.device) for n in self.strategy.grad_norms(grads)]
         sumsq = (torch.stack(norms).square().sum() if norms
                  else torch.zeros((), device=self.device))
         if self.strategy.grads_partitioned and self.world_size > 1:
@@ -251,6 +250,22 @@ class ShardwiseEngine(torch.nn.Module):
 
     def eval(self) -> "ShardwiseEngine":
         return self.train(False)
+
+    # --- torch.compile (runtime/compile.py) ------------------------------------------------------
+    def compile(self, backend: Any = None, compile_kwargs: Optional[dict] = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False,
+                granularity: Optional[str] = None) -> None:
+        """DeepSpeed's ``engine.compile()``: ``torch.compile`` the module in place; arguments left
+        None come from the config's ``compile`` section (backend, kwargs, granularity)."""
+        from .compile import compile_engine
+        compile_engine(self, backend=backend, compile_kwargs=compile_kwargs, schedule=schedule,
+                       compiled_autograd_enabled=compiled_autograd_enabled, granularity=granularity)
+
+    @property
+    def is_compiled(self) -> bool:
+        """True once ``compile()`` (or ``"compile": {"enabled": true}``) compiled something."""
+        result = self.__dict__.get("_compile_result")
+        return bool(result is not None and result.is_compiled)
 
     # --- checkpoint contract --------------------------------------------------------------------
     def shard_views(self) -> List[ShardView]:

@@ -209,6 +209,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
             num_workers=getattr(effects, "dataloader_num_workers", None),
             pin_memory=getattr(effects, "pin_memory", None), seed=cfg.seed or 0)
     _configure_activation_checkpointing(cfg, model)
+    if cfg.compile.enabled:  # after checkpointing wrapped the blocks, so it is compiled with them
+        engine.compile()
     log_dist(f"shardwise engine: ZeRO stage {cfg.zero_optimization.stage}, "
              f"{str(cfg.compute_dtype).replace('torch.', '')}, world size {world}, device {device}, "
              f"micro batch {cfg.train_micro_batch_size_per_gpu} x GA "

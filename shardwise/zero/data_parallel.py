@@ -97,6 +97,15 @@ class DataParallelStrategy(ZeroStrategy):
         # needs no global information: no clipping, no loss scale, everything offloaded)
         self.eager = (self.pipeline is not None and eager_offload_step and not delayed_update
                       and len(offloaded) == len(self.buckets))
+        # host accumulation (offloaded buckets of low-precision models): every micro step, as
+        # soon as a bucket's gradients are complete, they are reduced and streamed into its
+        # pinned fp32 partition and the device buffer is freed, as DeepSpeed does; gradient
+        # accumulation then needs no fp32 gradient buffer on the device. Not with DPU (its
+        # background step reads the pinned gradients during the next window), not with a
+        # low-precision accumulation dtype (the device sum would be rounded), and not for
+        # stage 1 without overlap_comm (it reduces on the boundary only, by definition).
+        self.host_accumulate = (self.pipeline is not None and self._free_grads and self.overlap
+                                and not delayed_update and grad_dtype == torch.float32)
 
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
         self.inner = inner
@@ -145,6 +154,17 @@ class DataParallelStrategy(ZeroStrategy):
         bucket.pending -= 1
         if bucket.pending == 0 and self._boundary and self.overlap:
             self._launch(bucket)
+        elif bucket.pending == 0 and self.host_accumulate and bucket.extra["offloaded"]:
+            self._stream_to_host(bucket)
+
+    def _stream_to_host(self, bucket: Bucket) -> None:
+        """Mid-window: reduce the bucket, add it into its host partition, free the device
+        buffer (its memory is reused once the copy stream has read it)."""
+        self._launch(bucket)
+        bucket.work = None
+        if self.pipeline.stream is not None:
+            bucket.grad_buf.record_stream(self.pipeline.stream)
+        bucket.grad_buf.untyped_storage().resize_(0)
 
     def after_backward(self, boundary: bool) -> None:
         if not boundary:
@@ -162,8 +182,8 @@ class DataParallelStrategy(ZeroStrategy):
             bucket.work = _DONE
             bucket.extra["src"] = bucket.grad_buf
             if bucket.extra["offloaded"]:
-                self.pipeline.grad_ready(bucket, self._reduced(bucket), None)
-                if self.eager:
+                self._grad_to_host(bucket, None)
+                if self.eager and self._boundary:
                     self.pipeline.eager_step_bucket(self.inner, bucket, 1.0)
             return
         src = bucket.grad_buf
@@ -190,9 +210,14 @@ class DataParallelStrategy(ZeroStrategy):
             work, bucket.work = bucket.work, _DONE
             if work is _DONE:
                 work = None
-            self.pipeline.grad_ready(bucket, self._reduced(bucket), work)
-            if self.eager:
+            self._grad_to_host(bucket, work)
+            if self.eager and self._boundary:
                 self.pipeline.eager_step_bucket(self.inner, bucket, 1.0 / self.grad_divisor)
+
+    def _grad_to_host(self, bucket: Bucket, work) -> None:
+        accumulate = bucket.extra.get("host_written", False)
+        bucket.extra["host_written"] = True
+        self.pipeline.grad_ready(bucket, self._reduced(bucket), work, accumulate=accumulate)
 
     # --- step -----------------------------------------------------------------------------
     def _reduced(self, bucket: Bucket) -> torch.Tensor:
@@ -255,6 +280,7 @@ class DataParallelStrategy(ZeroStrategy):
         if self.pipeline is not None:
             self.pipeline.protect_device_grads()
         for bucket in self.buckets:
+            bucket.extra["host_written"] = False
             if self._free_grads:
                 bucket.grad_buf.untyped_storage().resize_(0)
             else:

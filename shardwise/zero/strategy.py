@@ -53,6 +53,12 @@ class ZeroStrategy:
         """Wait for the reductions; return the fp32 gradient buffers of this rank's masters."""
         raise NotImplementedError
 
+    def grad_norms(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Local L2 norms whose squares sum to this rank's squared gradient norm (``grads``
+        is what ``master_grads`` returned). A strategy that already measured its gradients
+        (e.g. on the host, as they arrived) returns those norms instead of re-reading them."""
+        return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads if g.numel()]
+
     def optimizer_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
         """Multiply the master gradients by ``factor`` (None: leave them) and step ``inner``."""
         raise NotImplementedError

@@ -66,3 +66,39 @@ def test_cuda_delayed_update_matches_its_definition() -> None:
     from tests.unit.test_optimizer_offload import test_delayed_parameter_update_is_one_step_stale_exactly
     torch.backends.cuda.matmul.allow_tf32 = False
     test_delayed_parameter_update_is_one_step_stale_exactly(warmup=2)
+
+
+def _to_cpu(obj):
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _stage3_cuda_cases(rank: int, world: int) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    from tests.distributed.test_zero3_parity import _all_cases
+    return _to_cpu(_all_cases(rank, world, False))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_cuda_stage3_and_offload_match_reference(world: int) -> None:
+    """Stage 3 on CUDA: side-stream shard fetches (offload_param), the pinned gradient ring
+    and the worker's eager CPU steps (offload_optimizer) against the torch reference."""
+    from tests.distributed.test_zero3_parity import _check
+    per_rank = run_distributed(_stage3_cuda_cases, world)
+    _check(per_rank, world)
+
+
+def test_cuda_host_accumulation_matches_device_accumulation() -> None:
+    """Stage-2 offload of a bf16 model streams each bucket to pinned memory every micro step
+    (side stream, device buffer freed after the copy); same result as device accumulation."""
+    from tests.unit.test_optimizer_offload import (
+        test_host_accumulation_matches_device_accumulation_and_frees_device_grads as check)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check(0.0)
+    check(0.05)

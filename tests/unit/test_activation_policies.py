@@ -189,16 +189,19 @@ class _Z3Block(nn.Module):
         return torch.relu(self.lin(x)) * self.scale + x
 
 
-def _zero3_losses(rank: int, world_size: int):
+def zero3_losses(rank: int, world_size: int, block=None, policies=(None, "full", "selective",
+                                                                     "offload"), shape=(2, 8)):
+    """Losses of 3 ZeRO-3 steps on 2 blocks, per policy (None: no checkpointing)."""
+    block = block or _Z3Block
     losses = []
-    for ac in ({}, {"modules": ["_Z3Block"]}, {"modules": ["_Z3Block"], "policy": "selective"},
-               {"modules": ["_Z3Block"], "policy": "offload"}):
+    for policy in policies:
+        ac = {} if policy is None else {"modules": [block.__name__], "policy": policy}
         torch.manual_seed(0)
-        model = nn.Sequential(_Z3Block(), _Z3Block(), nn.Linear(8, 1))
+        model = nn.Sequential(block(), block(), nn.Linear(8, 1))
         cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                "zero_optimization": {"stage": 3}, "activation_checkpointing": ac}
         engine, _, _, _ = shardwise.initialize(model=model, config=cfg)
-        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(rank))
         for _ in range(3):
             loss = engine(x).sum()
             engine.backward(loss)
@@ -209,5 +212,5 @@ def _zero3_losses(rank: int, world_size: int):
 
 def test_policies_under_zero3_train_like_no_checkpointing():
     from tests.dist_utils import run_distributed
-    for losses in run_distributed(_zero3_losses, 2):
+    for losses in run_distributed(zero3_losses, 2):
         assert losses[1:] == [losses[0]] * 3

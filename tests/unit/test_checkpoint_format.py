@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import zlib
 from pathlib import Path
 from typing import List
@@ -172,6 +173,131 @@ def test_truncated_and_corrupted_files_name_the_file(tmp_path, monkeypatch):
     path.write_bytes(bytes(flipped))
     with pytest.raises(CheckpointError, match="y.safetensors: header"):
         SliceFileReader(path, record)
+
+
+def _pipeline_items():
+    """Tensors that exercise every branch of the writer at CHUNK_BYTES=256: pieces that share a
+    buffer, one that does not fit the rest of a buffer, tensors spanning several chunks, bool,
+    non-contiguous, empty, and a CPU tensor between staged ones."""
+    gen = torch.Generator().manual_seed(3)
+    return {"small": torch.randn(5, generator=gen).half(),           # 10 bytes
+            "mid": torch.randn(40, generator=gen),                   # 160 bytes: shares a buffer
+            "big": torch.randn(300, generator=gen),                  # 1200 bytes: 5 chunks
+            "mask": torch.rand(50, generator=gen) > 0.5,             # bool
+            "strided": torch.randn(6, 20, generator=gen).t(),        # non-contiguous
+            "empty": torch.empty(0, dtype=torch.bfloat16),
+            "tail": torch.randn(64, generator=gen).bfloat16()}       # exactly 128 bytes
+
+
+def test_ring_pipeline_writes_the_same_bytes_and_crcs(tmp_path, monkeypatch):
+    """The device path (host ring, packed small tensors, slot reuse) must produce the file
+    and record of the direct path byte for byte; CPU tensors forced through it stand in for
+    device tensors here (tests/gpu runs the real CUDA path)."""
+    from shardwise.checkpoint import format as fmt
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(fmt, "_INLINE_CRC_BYTES", 64)  # pieces >= 64 B go through the pool
+    tensors = _pipeline_items()
+    items = [TensorItem(k, v.dtype, list(v.shape), v) for k, v in tensors.items()]
+    direct = write_safetensors(tmp_path / "direct.safetensors", items)
+    allocated = []
+    real_alloc = fmt._HostRing._alloc
+    monkeypatch.setattr(fmt._HostRing, "_alloc",
+                        staticmethod(lambda: allocated.append(1) or real_alloc()))
+    ring = write_safetensors(tmp_path / "ring.safetensors", items, _stage_host=True)
+    assert (tmp_path / "ring.safetensors").read_bytes() == (tmp_path / "direct.safetensors").read_bytes()
+    assert ring == direct
+    assert len(direct["tensors"]["big"]["crc32"]) == 5 and direct["tensors"]["empty"]["crc32"] == []
+    # 14 chunks of data cycle through the ring's few buffers, allocated once for the file
+    assert len(allocated) == fmt._ring_slots() < 14
+    with SliceFileReader(tmp_path / "ring.safetensors", ring) as reader:
+        for k, v in tensors.items():
+            assert torch.equal(reader.read(k), v.contiguous())
+    with safe_open(str(tmp_path / "ring.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("strided"), tensors["strided"])
+
+
+def test_host_tensors_are_written_from_their_own_memory(tmp_path, monkeypatch):
+    """A CPU tensor goes to ``write`` as a view of its storage (no host ring, no copy)."""
+    from shardwise.checkpoint import format as fmt
+    value = torch.arange(1000, dtype=torch.float32)
+    monkeypatch.setattr(fmt._HostRing, "_alloc",
+                        staticmethod(lambda: pytest.fail("a CPU-only save allocated ring buffers")))
+    seen = []
+    real_open = fmt.atomic_open
+
+    class Spy:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, buf):
+            if not isinstance(buf, bytes):
+                seen.append(buf.__array_interface__["data"][0])
+            return self.f.write(buf)
+
+        def fileno(self):
+            return self.f.fileno()
+
+    from contextlib import contextmanager
+
+    @contextmanager
+    def spy_open(path, fsync=True):
+        with real_open(path, fsync=fsync) as f:
+            yield Spy(f)
+
+    monkeypatch.setattr(fmt, "atomic_open", spy_open)
+    write_safetensors(tmp_path / "h.safetensors", [TensorItem("v", torch.float32, [1000], value)])
+    assert seen == [value.data_ptr()]
+
+
+def test_writeback_is_started_window_by_window(tmp_path, monkeypatch):
+    """Every WRITEBACK_BYTES of data the writer asks the OS to start writing back, over
+    consecutive ranges; a refusal turns it off for the file and the save still succeeds."""
+    from shardwise.checkpoint import format as fmt
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(fmt, "WRITEBACK_BYTES", 1000)
+    calls = []
+    monkeypatch.setattr(fmt, "_sync_file_range", lambda: lambda fd, off, n, flags: calls.append(
+        (off, n, flags)) or 0)
+    value = torch.randn(2000)  # 8000 bytes
+    record = write_safetensors(tmp_path / "w.safetensors", [TensorItem("v", torch.float32, [2000], value)])
+    assert calls and all(flags == fmt._SYNC_FILE_RANGE_WRITE and n >= 1000 for _, n, flags in calls)
+    assert [off for off, _, _ in calls] == [0] + [off + n for off, n, _ in calls[:-1]]
+    assert calls[-1][0] + calls[-1][1] > record["size"] - 1000  # up to the last full window
+    calls.clear()
+    write_safetensors(tmp_path / "nofsync.safetensors",
+                      [TensorItem("v", torch.float32, [2000], value)], fsync=False)
+    assert calls == []  # nothing to be durable for: leave the page cache alone
+    refused = []
+    monkeypatch.setattr(fmt, "_sync_file_range", lambda: lambda *a: refused.append(a) or -1)
+    record = write_safetensors(tmp_path / "r.safetensors", [TensorItem("v", torch.float32, [2000], value)])
+    assert len(refused) == 1
+    with SliceFileReader(tmp_path / "r.safetensors", record) as reader:
+        assert torch.equal(reader.read("v"), value)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only")
+def test_real_sync_file_range_resolves_on_linux(tmp_path, monkeypatch):
+    from shardwise.checkpoint import format as fmt
+    fn = fmt._sync_file_range()
+    assert fn is not None
+    monkeypatch.setattr(fmt, "WRITEBACK_BYTES", 4096)
+    value = torch.randn(100_000)
+    record = write_safetensors(tmp_path / "l.safetensors", [TensorItem("v", torch.float32, [100_000], value)])
+    with SliceFileReader(tmp_path / "l.safetensors", record) as reader:
+        assert torch.equal(reader.read("v"), value)
+
+
+def test_async_stage_items_snapshots_values(monkeypatch):
+    from shardwise.checkpoint import async_save
+    src = torch.arange(10, dtype=torch.float32)
+    lazy = torch.ones(3, dtype=torch.bfloat16)
+    items = [TensorItem("a", src.dtype, [10], src, {"kind": "x"}),
+             TensorItem("b", lazy.dtype, [3], lambda: lazy)]
+    staged = async_save.stage_items(items)
+    src.add_(100)  # training goes on after the snapshot
+    assert torch.equal(staged[0].source, torch.arange(10, dtype=torch.float32))
+    assert staged[0].info == {"kind": "x"} and staged[0].source.data_ptr() != src.data_ptr()
+    assert torch.equal(staged[1].source, lazy) and not callable(staged[1].source)
 
 
 def test_tags_are_validated():

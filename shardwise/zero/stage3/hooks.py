@@ -94,6 +94,11 @@ class ParamCoordinator:
         """The current forward has followed ``trace_prev`` so far."""
         self._stack: List[int] = []
         self._in_root = False
+        self._ahead = 0
+        """Trace positions below this one were already prefetched in this forward (or, in
+        backward, positions at or above it): each prefetch resumes there instead of
+        re-walking the trace, which would cost O(modules²) per pass."""
+        self._behind: Optional[int] = None
         self._handles = []
         for m in root.modules():
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
@@ -115,6 +120,7 @@ class ParamCoordinator:
             self.trace_cur = []
             self._valid = bool(self.trace_prev)
             self._in_root = True
+            self._ahead = 0
         pos = -1  # a submodule called on its own: gathered on demand, not traced
         if self._in_root:
             pos = len(self.trace_cur)
@@ -127,7 +133,8 @@ class ParamCoordinator:
             p.sw_meta.active += 1
         P.gather(params)
         if self._valid and pos >= 0:
-            self._prefetch(self.trace_prev, range(pos + 1, len(self.trace_prev)))
+            start = max(pos + 1, self._ahead)
+            self._ahead = self._prefetch(self.trace_prev, range(start, len(self.trace_prev)), start)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         pos = self._stack.pop() if self._stack else -1
@@ -158,6 +165,7 @@ class ParamCoordinator:
         self._keep = self._reuse_table(self.trace_prev)
         self._stack.clear()
         self._in_root = False
+        self._behind = None
         self.sweep()
 
     def _reuse_table(self, trace: List[torch.nn.Module]) -> List[Set[int]]:
@@ -181,24 +189,28 @@ class ParamCoordinator:
     def pre_backward(self, module: torch.nn.Module, pos: int, trace: List[torch.nn.Module]) -> None:
         P.gather(self.params_of(module))
         if pos > 0:
-            self._prefetch(trace, range(pos - 1, -1, -1))
+            start = pos - 1 if self._behind is None else min(pos - 1, self._behind)
+            self._behind = self._prefetch(trace, range(start, -1, -1), start)
 
     # --- prefetch and sweep -------------------------------------------------------------
-    def _prefetch(self, trace: List[torch.nn.Module], positions) -> None:
+    def _prefetch(self, trace: List[torch.nn.Module], positions, start: int) -> int:
+        """Start gathers along ``positions`` within the budgets; returns the first position
+        not fully started (where the next prefetch in this direction resumes)."""
         budget = self.prefetch_elems
         live = P.live_numel()
         for i in positions:
             if budget <= 0:
-                return
+                return i
             for p in self.params_of(trace[i]):
                 meta = p.sw_meta
                 if meta.status != P.RELEASED:
                     continue
                 if live + meta.padded > self.max_live or budget <= 0:
-                    return
+                    return i
                 P.start_gather(p)
                 live += meta.padded
                 budget -= meta.padded
+        return positions[-1] + (1 if positions.step > 0 else -1) if len(positions) else start
 
     def sweep(self) -> None:
         """Release every gathered parameter that no forward or context is using."""

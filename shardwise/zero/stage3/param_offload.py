@@ -1,23 +1,34 @@
 """Host-memory helpers for stage-3 offload: pinned buffers and gradient streaming to the CPU.
 
 ``offload_param`` keeps each parameter's shard in (pinned) CPU memory; ``partition.py``
-copies it to the accelerator right before the all-gather (``non_blocking`` from pinned
-memory), so fetching a module costs one host-to-device copy of this rank's chunk.
+copies it to the accelerator on a side stream right before the module needs it (or earlier,
+as a prefetch), so fetching a module costs one host-to-device copy of this rank's chunk.
 
-``offload_optimizer`` keeps the fp32 masters and their gradients on the CPU. Reduced
-gradient chunks arrive on the accelerator during backward; ``GradStager`` copies them into
-a pinned staging pool on a side stream and adds them into the CPU gradient partition once
-the copies are done. The pool grows to the largest batch of chunks drained at once and is
-then reused every step: nothing is reallocated per step.
+``offload_optimizer`` keeps the fp32 masters and their gradients on the CPU.
+:class:`HostGradAccumulator` moves each reduced gradient chunk there during backward
+without ever blocking the thread that runs backward, and without CPU arithmetic:
+
+1. on a side stream, the first gradient of a window is widened to fp32 on the device and
+   DMA'd straight into the pinned fp32 partition (no zeroing pass needed);
+2. later micro steps bring the partition back to the device, add the new gradient there
+   and DMA the sum back (what DeepSpeed calls accumulating "via the GPU"): an add on the
+   CPU would run at memory speed on a few cores and fall behind backward, while the two
+   copies overlap the compute;
+3. work that must follow a gradient's last copy (its squared norm, an eager CPU optimizer
+   step, writing updated shards) goes to a worker thread that first waits for the copy's
+   event, so it runs in order after it.
+
+On a CPU-only machine the worker does the adds itself, so the CPU tests exercise the same
+ordering.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, List, Optional
 
 import torch
 
 from ...accelerator import get_accelerator
-
 
 def alloc_host(numel: int, device: torch.device, pin: bool) -> torch.Tensor:
     """A zeroed fp32 buffer on ``device``; pinned when it is host memory and pinning helps."""
@@ -27,41 +38,108 @@ def alloc_host(numel: int, device: torch.device, pin: bool) -> torch.Tensor:
     return t
 
 
-class GradStager:
-    """Adds accelerator-side gradient chunks into host-side fp32 partitions."""
+class HostGradAccumulator:
+    """``dst = src`` or ``dst += src`` into fp32 partitions, off the compute thread.
+
+    ``asynchronous`` is true when the partitions live on the host; with masters on the
+    accelerator everything runs in stream order on the compute stream instead."""
 
     def __init__(self, device: torch.device, master_device: torch.device) -> None:
-        self.crosses = torch.device(device).type != torch.device(master_device).type
-        self.stream = None
-        if self.crosses and torch.device(device).type == "cuda":
-            self.stream = torch.cuda.Stream(device=device)
-        self.pool: Optional[torch.Tensor] = None
-        self.used = 0
-        self.queued: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.device = torch.device(device)
+        self.asynchronous = torch.device(master_device).type == "cpu"
+        self.copies = self.asynchronous and self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if self.copies else None
+        self.pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-grads")
+                     if self.asynchronous else None)
+        self._futures: List[Future] = []
+        self._sumsq_host: List[float] = []
+        self._sumsq_device: Optional[torch.Tensor] = None
 
-    def add_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if src.numel() == 0:
+    # --- squared norm of the final gradients -----------------------------------------------
+    def reset_sumsq(self) -> None:
+        self._sumsq_host = []
+        self._sumsq_device = (torch.zeros((), dtype=torch.float32, device=self.device)
+                              if self.copies else None)
+
+    def sumsq(self) -> torch.Tensor:
+        """Sum of squares of every ``final=True`` result since ``reset_sumsq`` (call after
+        :meth:`wait`)."""
+        host = torch.tensor(sum(self._sumsq_host), dtype=torch.float32)
+        if self._sumsq_device is None:
+            return host.to(self.device)
+        return self._sumsq_device + host.to(self.device)
+
+    # --- adding ------------------------------------------------------------------------------
+    def add_into(self, dst: torch.Tensor, src: torch.Tensor, overwrite: bool, final: bool = False,
+                 after: Optional[Callable[[], Any]] = None) -> None:
+        """``dst (+)= src``; with ``final`` the result's squared norm is added to
+        :meth:`sumsq`; then ``after()`` runs on the worker once ``dst`` holds the result."""
+        if not self.asynchronous:
+            _accumulate(None, dst, src.to(dst.device), overwrite)
+            if final:
+                self._sumsq_host.append(float(torch.dot(dst, dst)))
+            if after is not None:
+                after()
             return
-        if not self.crosses or self.stream is None:
-            dst.add_(src.to(dst.device, dtype=dst.dtype))
+        if not self.copies:
+            # host gradients: nothing to copy; the arithmetic itself goes to the worker
+            self.submit(_accumulate, None, dst, src, overwrite)
+            if final:
+                self.submit(lambda: self._sumsq_host.append(float(torch.dot(dst, dst))))
+            if after is not None:
+                self.submit(after)
             return
-        n = src.numel()
-        if self.pool is None or self.used + n > self.pool.numel():
-            self.flush()  # the pool is about to be reused or grown: finish what is queued
-            if self.pool is None or n > self.pool.numel():
-                self.pool = get_accelerator().pin_memory(torch.empty(max(n, 1 << 20)))
-        tmp = self.pool[self.used:self.used + n]
-        self.used += n
-        self.stream.wait_stream(torch.cuda.current_stream(src.device))
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            tmp.copy_(src, non_blocking=True)
-            src.record_stream(self.stream)
-        self.queued.append((dst, tmp))
+            if overwrite:
+                wide = src if src.dtype == dst.dtype else src.to(dst.dtype)
+            else:
+                wide = torch.empty(dst.shape, dtype=dst.dtype, device=self.device)
+                wide.copy_(dst, non_blocking=True)
+                wide.add_(src)
+            dst.copy_(wide, non_blocking=True)
+            if final:
+                # the final gradient passes through the device anyway: measure it here
+                self._sumsq_device.add_(torch.dot(wide.reshape(-1), wide.reshape(-1)).float())
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        src.record_stream(self.stream)
+        if after is not None:
+            self.submit(_after_event, done, after)
 
-    def flush(self) -> None:
-        if self.stream is not None and self.queued:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the worker after everything queued before it."""
+        if self.pool is None:
+            fut: Future = Future()
+            fut.set_result(fn(*args))
+            return fut
+        fut = self.pool.submit(fn, *args)
+        self._futures.append(fut)
+        return fut
+
+    def wait(self) -> None:
+        """Block until every queued copy, add and task is done (re-raising their errors)."""
+        if self.stream is not None:
             self.stream.synchronize()
-        for dst, tmp in self.queued:
-            dst.add_(tmp)
-        self.queued.clear()
-        self.used = 0
+        futures, self._futures = self._futures, []
+        for fut in futures:
+            fut.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.wait()
+            self.pool.shutdown(wait=True)
+
+
+def _accumulate(event: Optional[Any], dst: torch.Tensor, src: torch.Tensor, overwrite: bool) -> None:
+    if event is not None:
+        event.synchronize()
+    if overwrite:
+        dst.copy_(src)
+    else:
+        dst.add_(src)
+
+
+def _after_event(event: Any, fn: Callable[[], Any]) -> None:
+    event.synchronize()
+    fn()

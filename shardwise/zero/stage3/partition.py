@@ -55,6 +55,8 @@ class PartitionedParam:
     work: Any = field(repr=False, default=None)
     staging: Optional[torch.Tensor] = field(repr=False, default=None)
     """Device copy of an offloaded shard while its all-gather runs."""
+    fetched: Any = field(repr=False, default=None)
+    """CUDA event of an offloaded shard's copy to the device (world 1), until it is used."""
     active: int = 0
     """Forward calls / GatheredParameters contexts using the gathered value right now."""
     on_modified: Optional[Callable[[torch.nn.Parameter], None]] = field(repr=False, default=None)
@@ -85,6 +87,7 @@ class PartitionedParam:
 # Every gathered or in-flight partitioned parameter of this process, in gather order, so
 # sweeps (end of forward/backward) and the max_live_parameters budget see one picture.
 _LIVE: Dict[int, torch.nn.Parameter] = {}
+_LIVE_NUMEL = [0]  # padded elements of _LIVE, kept as it changes (asked on every prefetch)
 
 
 def live_params() -> List[torch.nn.Parameter]:
@@ -92,7 +95,7 @@ def live_params() -> List[torch.nn.Parameter]:
 
 
 def live_numel() -> int:
-    return sum(p.sw_meta.padded for p in _LIVE.values())
+    return _LIVE_NUMEL[0]
 
 
 def is_partitioned(p: Any) -> bool:
@@ -178,8 +181,31 @@ def unpartition(p: torch.nn.Parameter) -> None:
 
 
 # --- gather / release --------------------------------------------------------------------
+def _fetch_stream(device: torch.device):
+    """The side stream that copies offloaded shards to ``device`` (one per device)."""
+    stream = _FETCH_STREAMS.get(device)
+    if stream is None:
+        stream = _FETCH_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+_FETCH_STREAMS: Dict[torch.device, Any] = {}
+
+
+def sync_fetches() -> None:
+    """Block until every host-to-device shard copy is done: the host may overwrite shards
+    (optimizer step, checkpoint load) only when no copy still reads them."""
+    for stream in _FETCH_STREAMS.values():
+        stream.synchronize()
+
+
 def start_gather(p: torch.nn.Parameter) -> None:
-    """Launch the all-gather of ``p`` (asynchronous where the backend allows)."""
+    """Launch the all-gather of ``p`` (asynchronous where the backend allows).
+
+    Under ``offload_param`` on CUDA the shard's copy to the device runs on a side stream, so
+    a prefetch overlaps the compute of the modules before it; the compute stream waits for
+    the copy's event only when the parameter is used (``wait_gather``) or dropped.
+    """
     meta: PartitionedParam = p.sw_meta
     if meta.status != RELEASED:
         return
@@ -188,19 +214,49 @@ def start_gather(p: torch.nn.Parameter) -> None:
     storage = meta.full.untyped_storage()
     nbytes = meta.padded * meta.full.element_size()
     if storage.size() < nbytes:
+        # allocated on the compute stream: its earlier uses of this memory come first there
         storage.resize_(nbytes)
     src = meta.shard
-    if src.device != meta.compute_device:
-        # offload_param: the shard lives on the host; bring it over first (pinned -> async)
-        meta.staging = src.to(meta.compute_device, non_blocking=True)
-        src = meta.staging
-    if meta.world == 1:
+    meta.work = None
+    if src.device != meta.compute_device and meta.compute_device.type == "cuda":
+        # offload_param: the copy waits only for what the compute stream queued so far (the
+        # release of the memory it reuses), then runs beside the compute
+        compute = torch.cuda.current_stream(meta.compute_device)
+        fetch = _fetch_stream(meta.compute_device)
+        fetch.wait_stream(compute)
+        dst = meta.full
+        if meta.world > 1:
+            meta.staging = torch.empty(meta.chunk, dtype=src.dtype, device=meta.compute_device)
+            dst = meta.staging
+        with torch.cuda.stream(fetch):
+            dst.copy_(src, non_blocking=True)
+            meta.fetched = torch.cuda.Event()
+            meta.fetched.record(fetch)
+        if meta.world > 1:
+            compute.wait_event(meta.fetched)
+            meta.fetched = None
+            meta.work = all_gather_flat(meta.full, meta.staging, group=meta.group, async_op=True)
+    elif meta.world == 1:
         meta.full.copy_(src)
-        meta.work = None
     else:
+        if src.device != meta.compute_device:
+            meta.staging = src.to(meta.compute_device)
+            src = meta.staging
         meta.work = all_gather_flat(meta.full, src, group=meta.group, async_op=True)
     meta.status = INFLIGHT
     _LIVE[id(p)] = p
+    _LIVE_NUMEL[0] += meta.padded
+
+
+def _finish_inflight(meta: "PartitionedParam") -> None:
+    """Make the compute stream (or the host) wait for an in-flight fetch or gather."""
+    if meta.work is not None:
+        meta.work.wait()
+    if meta.fetched is not None:
+        torch.cuda.current_stream(meta.compute_device).wait_event(meta.fetched)
+    meta.work = None
+    meta.fetched = None
+    meta.staging = None
 
 
 def wait_gather(p: torch.nn.Parameter) -> None:
@@ -208,10 +264,7 @@ def wait_gather(p: torch.nn.Parameter) -> None:
     if meta.status == RELEASED:
         start_gather(p)
     if meta.status == INFLIGHT:
-        if meta.work is not None:
-            meta.work.wait()
-        meta.work = None
-        meta.staging = None
+        _finish_inflight(meta)
         p.data = meta.full[:meta.numel].view(meta.shape)
         meta.status = GATHERED
 
@@ -230,19 +283,21 @@ def release(p: torch.nn.Parameter) -> None:
     meta: PartitionedParam = p.sw_meta
     if meta.status == RELEASED:
         return
-    if meta.status == INFLIGHT and meta.work is not None:
-        meta.work.wait()
-    meta.work = None
-    meta.staging = None
+    if meta.status == INFLIGHT:
+        # the memory is about to be reused: nothing may still be writing into it
+        _finish_inflight(meta)
     p.data = meta.empty
     if meta.full is not None:
         meta.full.untyped_storage().resize_(0)
     meta.status = RELEASED
-    _LIVE.pop(id(p), None)
+    if _LIVE.pop(id(p), None) is not None:
+        _LIVE_NUMEL[0] -= meta.padded
 
 
 def write_full_(p: torch.nn.Parameter, full: torch.Tensor) -> None:
     """Store this rank's chunk of the full value ``full`` into the shard."""
     meta: PartitionedParam = p.sw_meta
+    if meta.shard.device.type == "cpu":
+        sync_fetches()
     with torch.no_grad():
         meta.shard[:meta.own_len].copy_(full.reshape(-1)[meta.own_lo:meta.own_hi])

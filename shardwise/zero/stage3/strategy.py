@@ -23,20 +23,20 @@ parameters (fewer than ``param_persistence_threshold`` elements) stay whole on e
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
 
 from ...comm import reduce_scatter_flat
 from ...errors import ConfigError, ZeroError
-from ...utils.logging import log_dist
+from ...utils.logging import log_dist, warn_once
 from ..data_parallel import DataParallelStrategy
 from ..shard_view import ShardView
 from ..strategy import ZeroStrategy
 from . import partition as P
 from .hooks import ParamCoordinator
-from .param_offload import GradStager, alloc_host
+from .param_offload import HostGradAccumulator, alloc_host
 
 
 class Stage3Strategy(ZeroStrategy):
@@ -71,6 +71,16 @@ class Stage3Strategy(ZeroStrategy):
         cpu = torch.device("cpu")
         self.shard_device = cpu if self.offload_param else self.device
         self.master_device = cpu if self.offload_opt else self.device
+        # eager CPU step (offload_optimizer): the update of a parameter is known as soon as its
+        # last gradient is on the host when nothing global changes it (no clipping, no loss
+        # scale), so the worker steps it while backward still runs on earlier layers
+        self.eager = (self.offload_opt and not config.fp16.enabled
+                      and not float(config.gradient_clipping or 0) > 0)
+        if self.offload_opt and getattr(zero.offload_optimizer, "delayed_update", False):
+            warn_once("zero_optimization.offload_optimizer.delayed_update is implemented for "
+                      "ZeRO stages 1-2 only; stage 3 ignores it and applies every update "
+                      "exactly (its CPU step already overlaps backward when there is no "
+                      "clipping and no fp16)")
 
         # 1. decide which parameters stay whole, partition (or adopt) the others
         threshold = int(zero.param_persistence_threshold)
@@ -109,6 +119,8 @@ class Stage3Strategy(ZeroStrategy):
         self.flat_master: List[torch.Tensor] = []
         self.flat_grad: List[torch.Tensor] = []
         self.piece: Dict[int, torch.Tensor] = {}
+        self.grad_of: Dict[int, torch.Tensor] = {}
+        """fp32 gradient partition of each partitioned parameter (a view into flat_grad)."""
         for params in self.trainable:
             total = sum(p.sw_meta.own_len for p in params)
             master = alloc_host(total, self.master_device, self.pin_opt)
@@ -122,6 +134,7 @@ class Stage3Strategy(ZeroStrategy):
                 off += meta.own_len
                 if meta.own_len:
                     self.piece[id(p)] = view
+                    self.grad_of[id(p)] = view.grad
                 meta.on_modified = self._refresh_master
             self.flat_master.append(master)
             self.flat_grad.append(grad)
@@ -129,7 +142,21 @@ class Stage3Strategy(ZeroStrategy):
         # 4. hooks: gradients, module gather schedule, state_dict
         self._pending: List[tuple] = []
         self._pending_elems = 0
-        self._stager = GradStager(self.device, self.master_device)
+        # one rank has no collective to batch: hand each gradient to the host at once
+        self._drain_elems = self.reduce_bucket if self.world > 1 else 0
+        self._acc = HostGradAccumulator(self.device, self.master_device)
+        self._inner: Optional[torch.optim.Optimizer] = None
+        self._boundary = False
+        self._final: Set[int] = set()
+        """Parameters whose boundary gradient is final on the host (norm taken, maybe stepped)."""
+        self._ready: List[torch.nn.Parameter] = []
+        self._ready_elems = 0
+        self._stepped: Set[int] = set()
+        self._eager_window = False
+        self._hidden: List[tuple] = []
+        self._written: Set[int] = set()
+        """Parameters whose partition received a gradient in this window: the first one
+        overwrites (so partitions need no zeroing pass), the others add."""
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                             for params in self.trainable for p in params]
         # requires_grad but not given to the optimizer: drop the gradient, free the weight
@@ -174,6 +201,20 @@ class Stage3Strategy(ZeroStrategy):
 
     # --- backward -----------------------------------------------------------------------
     def before_backward(self, boundary: bool) -> None:
+        self._boundary = boundary
+        if boundary and self.offload_opt:
+            self._acc.wait()  # the worker may still run the previous window's tasks
+            self._final, self._stepped = set(), set()
+            self._acc.reset_sumsq()
+            self._ready, self._ready_elems = [], 0
+            if self.eager and self._inner is not None and not self._eager_window:
+                # the worker's optimizer steps must see only the pieces they update
+                self._eager_window = True
+                self._hidden = [(m, m.grad) for group in self.whole.master_param_groups()
+                                for m in group]
+                self._hidden += [(pc, pc.grad) for pc in self.piece.values()]
+                for m, _ in self._hidden:
+                    m.grad = None
         self.whole.before_backward(boundary)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -181,11 +222,17 @@ class Stage3Strategy(ZeroStrategy):
         grad, p.grad = p.grad, None
         meta: P.PartitionedParam = p.sw_meta
         if grad is not None:
-            buf = torch.zeros(meta.padded, dtype=self.comm_dtype, device=grad.device)
-            buf[:meta.numel].copy_(grad.reshape(-1))
+            if self.world == 1 and self.predivide == 1.0:
+                # nothing to pad or reduce: the gradient goes to its partition as it is (in
+                # its own dtype, so a bf16 gradient crosses PCIe at half the bytes)
+                out = buf = grad.reshape(-1)
+                work = None
+            else:
+                buf = torch.zeros(meta.padded, dtype=self.comm_dtype, device=grad.device)
+                buf[:meta.numel].copy_(grad.reshape(-1))
+                if self.predivide != 1.0:
+                    buf.div_(self.predivide)
             del grad
-            if self.predivide != 1.0:
-                buf.div_(self.predivide)
             if self.world == 1:
                 out, work = buf, None
             else:
@@ -193,8 +240,8 @@ class Stage3Strategy(ZeroStrategy):
                 work = reduce_scatter_flat(out, buf, group=self.group, async_op=True)
             self._pending.append((p, work, out, buf))
             self._pending_elems += meta.padded
-            if self._pending_elems > self.reduce_bucket:
-                self._drain(keep_last=1)
+            if self._pending_elems > self._drain_elems:
+                self._drain(keep_last=1 if self.world > 1 else 0)
         if meta.active == 0:
             P.release(p)
 
@@ -204,16 +251,52 @@ class Stage3Strategy(ZeroStrategy):
             P.release(p)
 
     def _drain(self, keep_last: int = 0) -> None:
-        """Wait for queued reductions and add them into the fp32 gradient partitions."""
+        """Wait for queued reductions and hand them to the fp32 gradient partitions (on the
+        host this only queues the copy and the add: nothing here waits for the CPU)."""
         while len(self._pending) > keep_last:
             p, work, out, buf = self._pending.pop(0)
             self._pending_elems -= p.sw_meta.padded
             if work is not None:
                 work.wait()
-            piece = self.piece.get(id(p))
-            if piece is not None:
-                self._stager.add_into(piece.grad, out[:p.sw_meta.own_len])
-        self._stager.flush()
+            if id(p) in self.grad_of:
+                final = self._boundary and self.offload_opt
+                first = id(p) not in self._written
+                self._written.add(id(p))
+                self._acc.add_into(self.grad_of[id(p)], out[:p.sw_meta.own_len], first, final,
+                                   self._finalizer(p) if final else None)
+
+    # --- host-side work after a parameter's last gradient (runs on the worker) -------------
+    def _finalizer(self, p: torch.nn.Parameter):
+        def run() -> None:
+            g = self.grad_of[id(p)]
+            self._final.add(id(p))
+            if self._eager_window:
+                self._ready.append(p)
+                self._ready_elems += g.numel()
+                if self._ready_elems >= self.reduce_bucket // 10:
+                    self._step_pieces(self._ready)
+                    self._ready, self._ready_elems = [], 0
+        return run
+
+    def _step_pieces(self, params: List[torch.nn.Parameter]) -> None:
+        """One inner-optimizer step over just these pieces (the others' grads are hidden),
+        then their updated values into the host shards."""
+        prescale = 1.0 / self.grad_divisor
+        pieces = []
+        for p in params:
+            pc, g = self.piece[id(p)], self.grad_of[id(p)]
+            if prescale != 1.0:
+                g.mul_(prescale)
+            pc.grad = g
+            pieces.append(pc)
+        self._inner.step()
+        for pc in pieces:
+            pc.grad = None
+        self._stepped.update(id(p) for p in params)
+        if self.offload_param:
+            with torch.no_grad():
+                for p in params:
+                    p.sw_meta.shard[:self.piece[id(p)].numel()].copy_(self.piece[id(p)])
 
     def after_backward(self, boundary: bool) -> None:
         self._drain()
@@ -223,10 +306,38 @@ class Stage3Strategy(ZeroStrategy):
     # --- step -----------------------------------------------------------------------------
     def master_grads(self) -> List[torch.Tensor]:
         self._drain()
+        self._acc.wait()
+        for pid, g in self.grad_of.items():
+            if pid not in self._written:
+                g.zero_()  # no gradient in this window (a skipped module)
+                self._written.add(pid)
         return [g for g in self.flat_grad if g.numel()] + self.whole.master_grads()
+
+    def grad_norms(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Host partitions: the norms the worker took as each gradient became final (a
+        parameter that got no gradient on the boundary micro step is measured here)."""
+        if not self.offload_opt:
+            return super().grad_norms(grads)
+        n_host = sum(1 for g in self.flat_grad if g.numel())
+        rest = sum(float(torch.dot(g, g)) for pid, g in self.grad_of.items()
+                   if pid not in self._final)
+        total = self._acc.sumsq() + rest
+        return [total.sqrt()] + super().grad_norms(grads[n_host:])
 
     def optimizer_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
         """Scale the fp32 gradient partitions by the engine's factor and step the masters."""
+        if self._eager_window:
+            # the worker stepped the pieces whose gradient was final during backward (with
+            # the same factor: 1/DP divisor); step the rest, then the persistent parameters
+            self._acc.wait()
+            rest = [p for params in self.trainable for p in params
+                    if id(p) in self.piece and id(p) not in self._stepped]
+            if rest:
+                self._step_pieces(rest)
+            self._restore_hidden(pieces=False)
+            self.whole.optimizer_step(inner, factor)
+            self._restore_hidden(pieces=True)
+            return
         if factor is not None:
             for g in self.flat_grad:
                 if g.numel():
@@ -235,7 +346,22 @@ class Stage3Strategy(ZeroStrategy):
         self.whole.optimizer_step(inner, factor)
 
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
+        self._inner = inner
         self.whole.bind_optimizer(inner)
+
+    def _restore_hidden(self, pieces: bool) -> None:
+        """Give the gradients hidden for the eager window back (persistent masters first,
+        the pieces once the persistent step is done)."""
+        piece_ids = {id(pc) for pc in self.piece.values()}
+        keep = []
+        for m, g in self._hidden:
+            if (id(m) in piece_ids) == pieces:
+                m.grad = g
+            else:
+                keep.append((m, g))
+        self._hidden = keep
+        if pieces:
+            self._eager_window = False
 
     def flush(self) -> None:
         self.whole.flush()
@@ -243,20 +369,32 @@ class Stage3Strategy(ZeroStrategy):
     def after_step(self, applied: bool) -> None:
         if not applied:
             return
+        self._acc.wait()
         self.coordinator.sweep()
+        written = self._stepped if self.offload_param else set()
+        if self.offload_param:
+            P.sync_fetches()  # no copy to the device may still read a shard we overwrite
         with torch.no_grad():
             for params in self.trainable:
                 for p in params:
                     piece = self.piece.get(id(p))
-                    if piece is not None:
+                    if piece is not None and id(p) not in written:
                         p.sw_meta.shard[:piece.numel()].copy_(piece, non_blocking=True)
+        self._stepped = set()
         self.whole.after_step(applied)
-        if self.offload_opt and self.device.type == "cuda":
+        if self.offload_opt and not self.offload_param and self.device.type == "cuda":
+            # the shards were DMA'd from the pinned masters, which the next CPU step rewrites
             torch.cuda.current_stream(self.device).synchronize()
 
     def zero_grads(self) -> None:
-        for g in self.flat_grad:
-            g.zero_()
+        if self._eager_window:
+            self._acc.wait()
+            self._restore_hidden(pieces=False)
+            self._restore_hidden(pieces=True)
+        # nothing to clear: each partition's first gradient of the next window overwrites it
+        # (master_grads zeroes those that get none)
+        self._acc.wait()
+        self._written = set()
         for params in self.trainable:
             for p in params:
                 p.grad = None
@@ -273,7 +411,10 @@ class Stage3Strategy(ZeroStrategy):
         return views + self.whole.shard_views()
 
     def refresh_after_load(self, weights_only: bool = False) -> None:
+        self._acc.wait()
         self.coordinator.sweep()
+        if self.offload_param:
+            P.sync_fetches()
         with torch.no_grad():
             for params in self.trainable:
                 for p in params:
@@ -355,6 +496,7 @@ class Stage3Strategy(ZeroStrategy):
                 P.release(p)
 
     def remove_hooks(self) -> None:
+        self._acc.close()
         for h in self._grad_hooks + self._sd_hooks:
             h.remove()
         self.coordinator.remove()

@@ -1,0 +1,292 @@
+"""``torch.compile`` for the engine: the ``compile`` config section and ``engine.compile()``.
+
+Compiling is done in place with ``nn.Module.compile()``: the user's module objects stay the
+same objects, so ``state_dict`` keys, parameter identity, the ZeRO gradient hooks and
+attribute access (``engine.module.model.layers[0]``) are unchanged; only the module's call
+goes through dynamo.
+
+Granularity (``compile.granularity``):
+
+* ``"blocks"`` (default, torchtitan's recipe): each child of the model's largest
+  ``nn.ModuleList`` whose children are all of one class (a transformer's decoder layers) is
+  compiled on its own. The blocks share one code object, so dynamo builds one graph and
+  reuses it for every block: compile time is that of one block, and a graph break stays in
+  one block. Embeddings, the final norm, the head and the loss stay eager.
+* ``"module"``: the whole model is one compiled region, as DeepSpeed's ``engine.compile()``
+  does.
+
+When compiling cannot work here, the model stays eager with one warning, so a config written
+for a GPU still trains on a CPU-only CI machine: no dynamo for this Python/platform, inductor
+without Triton (GPU) or without a C++ compiler (CPU), or a backend that fails a tiny probe
+compile (forward and backward of a two-op function, once per process). Under ZeRO stage 3
+compiling is skipped with a warning: its hooks gather and release each module's partitioned
+parameters around every call, which cannot happen inside a compiled graph (dynamo would trace
+the swaps of ``param.data`` and recompile on every shape change). Modules wrapped by
+``activation_checkpointing.modules`` stay eager too (warned): the checkpoint wrappers'
+recompute does not match a traced forward (torch raises a CheckpointError in backward).
+
+With several ranks the decision is taken together (all ranks compile or none), because the
+order in which gradients arrive, and so the order of the bucket reductions, follows the graph.
+Nothing here imports dynamo before compiling is asked for: ``import shardwise`` stays fast.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..config.models import check_compile_kwargs
+from ..errors import ConfigError
+from ..utils.logging import log_dist, warn_once
+
+Backend = Union[str, Callable[..., Any]]
+GRANULARITIES = ("blocks", "module")
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """What ``apply_compile`` did: which modules were compiled, or why none was."""
+
+    backend: str
+    """The backend's name (a callable's qualified name)."""
+    granularity: str
+    """The granularity that was applied: "blocks" or "module" (a model without a block list
+    falls back to "module"), or the requested one when nothing was compiled."""
+    compiled: Tuple[str, ...] = ()
+    """Qualified names of the compiled modules ("" is the model itself)."""
+    skipped_reason: Optional[str] = None
+    """Why the model stayed eager; None when something was compiled."""
+
+    @property
+    def is_compiled(self) -> bool:
+        return bool(self.compiled)
+
+
+# --- which modules ----------------------------------------------------------------------
+def find_blocks(module: torch.nn.Module) -> Tuple[Optional[str], List[torch.nn.Module]]:
+    """The qualified name and children of ``module``'s largest ``nn.ModuleList`` whose children
+    all have one class (the repeated blocks); ``(None, [])`` if there is none. Ties go to the
+    list with more parameters, then to the first one found."""
+    best: Tuple[int, int, Optional[str], List[torch.nn.Module]] = (0, -1, None, [])
+    for name, child in module.named_modules():
+        if not isinstance(child, torch.nn.ModuleList) or len(child) == 0:
+            continue
+        blocks = list(child)
+        if len({type(b) for b in blocks}) != 1:
+            continue
+        n_params = sum(p.numel() for p in child.parameters())
+        if (len(blocks), n_params) > best[:2]:
+            best = (len(blocks), n_params, name, blocks)
+    return best[2], best[3]
+
+
+def _targets(module: torch.nn.Module, granularity: str) -> Tuple[str, List[Tuple[str, torch.nn.Module]]]:
+    if granularity == "blocks":
+        list_name, blocks = find_blocks(module)
+        if blocks:
+            prefix = f"{list_name}." if list_name else ""
+            return "blocks", [(f"{prefix}{i}", b) for i, b in enumerate(blocks)]
+        log_dist(f"compile: {type(module).__name__} has no nn.ModuleList of repeated blocks; "
+                 "compiling the whole module (granularity \"module\")", ranks=[0])
+    return "module", [("", module)]
+
+
+# --- can it work here? --------------------------------------------------------------------
+def _backend_name(backend: Backend) -> str:
+    if isinstance(backend, str):
+        return backend
+    return getattr(backend, "__qualname__", None) or type(backend).__name__
+
+
+def resolve_backend(backend: Backend) -> Backend:
+    """A registered backend name as is, a callable as is, or the callable a dotted path names
+    (DeepSpeed's rule for names that are not registered). ConfigError otherwise."""
+    if callable(backend) and not isinstance(backend, str):
+        return backend
+    if not isinstance(backend, str) or not backend:
+        raise ConfigError(f"compile backend {backend!r} must be a backend name, a dotted path "
+                          "\"package.module.fn\" or a callable")
+    from torch import _dynamo
+    known = _dynamo.list_backends(exclude_tags=())
+    if backend in known:
+        return backend
+    module_name, _, fn_name = backend.rpartition(".")
+    if module_name:
+        try:
+            return getattr(importlib.import_module(module_name), fn_name)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"compile.backend = {backend!r}: not a registered backend and "
+                              f"{module_name}.{fn_name} cannot be imported ({exc}). Use one of "
+                              f"{', '.join(sorted(known))}, or a dotted path to a backend "
+                              "callable.") from None
+    raise ConfigError(f"compile.backend = {backend!r} is not a torch.compile backend here; use "
+                      f"one of {', '.join(sorted(known))} (e.g. \"backend\": \"inductor\"), or a "
+                      "dotted path \"package.module.fn\" to a backend callable.")
+
+
+def _toolchain_missing(backend: Backend, device: torch.device) -> Optional[str]:
+    """Why ``backend`` cannot produce kernels for ``device`` (None: nothing obviously missing)."""
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile"
+    try:
+        from torch import _dynamo
+        if not _dynamo.is_dynamo_supported():
+            return "dynamo (torch.compile) is not supported on this Python/platform"
+    except Exception as exc:  # a broken install: report it, stay eager
+        return f"torch._dynamo cannot be imported ({type(exc).__name__}: {exc})"
+    if backend != "inductor":
+        return None
+    from ..report_checks import cpu_compiler, triton_available
+    if device.type == "cpu" and cpu_compiler() is None:
+        return "inductor on CPU generates C++ and no C++ compiler (cl, g++, c++, clang++) is on PATH"
+    if device.type in ("cuda", "xpu") and not triton_available():
+        return f"inductor on {device.type} needs Triton, which is not installed"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(backend: Backend, device_type: str) -> Optional[str]:
+    """Compile and run forward + backward of a tiny function; the error text, or None if it works.
+
+    Inductor fails late (at the first call, or at the first backward for the backward graph),
+    and a failure then would break a training step; a 2-op probe finds a broken toolchain in
+    about a second and once per process."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x * 2.0).sum()
+
+    try:
+        x = torch.randn(8, device=device_type, requires_grad=True)
+        torch.compile(fn, backend=backend)(x).backward()
+        if x.grad is None or not bool(torch.isfinite(x.grad).all()):
+            return "the probe compiled but gave no finite gradient"
+    except Exception as exc:  # any backend failure means: stay eager
+        root: BaseException = exc
+        for _ in range(8):  # dynamo wraps the backend's own error (BackendCompilerFailed)
+            inner = getattr(root, "inner_exception", None) or root.__cause__
+            if inner is None:
+                break
+            root = inner
+        lines = [line for line in str(root).strip().splitlines() if line.strip()]
+        return (f"a probe compile with backend {_backend_name(backend)!r} failed: "
+                f"{type(root).__name__}: {lines[0] if lines else ''}")
+    return None
+
+
+def _agree(ok: bool, device: torch.device, group: Optional[dist.ProcessGroup]) -> bool:
+    """True only if every rank of ``group`` can compile (a MIN all-reduce of the flag)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
+                        device=device if dist.get_backend(group) != "gloo" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _raise_recompile_limit(n_blocks: int) -> None:
+    """Blocks that differ in a constant their forward reads (a layer index, a sliding window
+    on every other layer) each need a graph; dynamo's default limit (8 per code object) would
+    leave the later blocks eager. Allow one graph per block, plus the default headroom."""
+    import torch._dynamo.config as dcfg
+    for name in ("recompile_limit", "cache_size_limit"):
+        current = getattr(dcfg, name, None)
+        if isinstance(current, int) and current < n_blocks + 8:
+            setattr(dcfg, name, n_blocks + 8)
+
+
+# --- apply ----------------------------------------------------------------------------------
+def apply_compile(module: torch.nn.Module, *, backend: Backend = "inductor",
+                  kwargs: Optional[Dict[str, Any]] = None, granularity: str = "blocks",
+                  zero_stage: int = 0, device: Optional[torch.device] = None,
+                  group: Optional[dist.ProcessGroup] = None) -> CompileResult:
+    """Compile ``module`` in place (see the module docstring); returns what was done.
+
+    Raises ConfigError for a bad granularity, backend name or keyword argument; environment
+    problems (no toolchain, a failing probe) and ZeRO stage 3 keep the model eager with one
+    warning instead."""
+    if granularity not in GRANULARITIES:
+        raise ConfigError(f"compile granularity {granularity!r} is not one of "
+                          f"{', '.join(GRANULARITIES)} (e.g. \"granularity\": \"blocks\")")
+    kwargs = check_compile_kwargs(dict(kwargs or {}), "compile kwargs")
+    device = device or torch.device("cpu")
+    name = _backend_name(backend)
+
+    def skip(reason: str) -> CompileResult:
+        warn_once(f"compile: the model stays eager: {reason}.")
+        return CompileResult(name, granularity, (), reason)
+
+    if zero_stage >= 3:
+        return skip("ZeRO stage 3 gathers and releases each module's parameters in module "
+                    "hooks, which cannot run inside a compiled graph; use stage 1 or 2 to "
+                    "compile, or set \"compile\": {\"enabled\": false} to silence this")
+    reason = _toolchain_missing(backend, device)
+    resolved: Backend = backend
+    if reason is None:
+        resolved = resolve_backend(backend)  # a bad name is a config error, not a fallback
+        reason = _probe(resolved, device.type)
+    if not _agree(reason is None, device, group):
+        return skip(reason or "another rank cannot compile (see its warning); all ranks stay "
+                    "eager so that gradients reach the reductions in the same order everywhere")
+    if reason is not None:
+        return skip(reason + "; set \"compile\": {\"enabled\": false} (or fix the toolchain) "
+                    "to silence this")
+
+    applied, targets = _targets(module, granularity)
+    checkpointed = [q for q, t in targets if any(hasattr(m, "_shardwise_ac") for m in t.modules())]
+    if checkpointed:
+        targets = [(q, t) for q, t in targets if q not in checkpointed]
+        text = (f"activation_checkpointing wraps {len(checkpointed)} of the modules to compile "
+                f"({checkpointed[0] or type(module).__name__}{' ..' if len(checkpointed) > 1 else ''}) "
+                "and its checkpoint wrappers do not run correctly inside a compiled graph; "
+                "remove activation_checkpointing.modules to compile them")
+        if not targets:
+            return skip(text)
+        warn_once(f"compile: {text}; they stay eager.")
+    if applied == "blocks":
+        _raise_recompile_limit(len(targets))
+    for _, target in targets:
+        target.compile(backend=resolved, **kwargs)
+    compiled = tuple(qualname for qualname, _ in targets)
+    log_dist(f"compile: backend {name}, granularity {applied}: "
+             + (f"{len(compiled)} blocks ({compiled[0]} .. {compiled[-1]})" if applied == "blocks"
+                else f"the whole {type(module).__name__}")
+             + (f", kwargs {kwargs}" if kwargs else ""), ranks=[0])
+    return CompileResult(name, applied, compiled, None)
+
+
+def compile_engine(engine: Any, backend: Optional[Backend] = None,
+                   compile_kwargs: Optional[Dict[str, Any]] = None, schedule: Any = None,
+                   compiled_autograd_enabled: bool = False,
+                   granularity: Optional[str] = None) -> CompileResult:
+    """``engine.compile()``: the arguments default to the config's ``compile`` section.
+
+    DeepSpeed's signature; ``schedule`` (DeepCompile's pass schedule) and
+    ``compiled_autograd_enabled`` are accepted with a warning and do nothing. A second call
+    keeps the first result (DeepSpeed returns early too)."""
+    done = engine.__dict__.get("_compile_result")
+    if done is not None and done.is_compiled:
+        warn_once("engine.compile(): the model is already compiled; this call does nothing")
+        return done
+    section = engine.config.compile
+    kwargs = dict(section.kwargs if compile_kwargs is None else compile_kwargs)
+    if "backend" in kwargs:  # DeepSpeed: the argument wins, with a warning
+        warn_once("engine.compile(): compile_kwargs['backend'] is ignored; pass backend= instead")
+        kwargs.pop("backend")
+    if schedule is not None:
+        warn_once("engine.compile(schedule=...) is DeepCompile's pass schedule and has no effect "
+                  "in shardwise")
+    if compiled_autograd_enabled:
+        warn_once("engine.compile(compiled_autograd_enabled=True) has no effect in shardwise: "
+                  "backward runs the compiled blocks' backward graphs, the rest eagerly")
+    result = apply_compile(engine.module, backend=section.backend if backend is None else backend,
+                           kwargs=kwargs, granularity=granularity or section.granularity,
+                           zero_stage=engine.zero_optimization_stage(), device=engine.device,
+                           group=engine.dp_group)
+    engine._compile_result = result
+    return result
+
+
+__all__ = ["CompileResult", "apply_compile", "compile_engine", "find_blocks", "resolve_backend"]
