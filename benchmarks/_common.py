@@ -73,15 +73,11 @@ class BenchConfig:
         return cls(**json.loads(text))
 
 
-def build_model(cfg: BenchConfig, device: torch.device) -> torch.nn.Module:
-    """A randomly initialised Llama-shaped causal LM in fp32 on ``device`` (no hub access).
+def llama_config(cfg: BenchConfig) -> Any:
+    """The transformers LlamaConfig of ``cfg`` (SDPA attention, no KV cache)."""
+    from transformers import LlamaConfig
 
-    Building directly on the device keeps the 1.1B init fast; variants that offload move
-    parameters to the host themselves, and setup memory is kept apart from training memory.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+    return LlamaConfig(
         hidden_size=cfg.hidden,
         num_hidden_layers=cfg.layers,
         intermediate_size=cfg.intermediate,
@@ -92,9 +88,19 @@ def build_model(cfg: BenchConfig, device: torch.device) -> torch.nn.Module:
         use_cache=False,  # training: a KV cache would only cost memory
         attn_implementation="sdpa",
     )
+
+
+def build_model(cfg: BenchConfig, device: torch.device) -> torch.nn.Module:
+    """A randomly initialised Llama-shaped causal LM in fp32 on ``device`` (no hub access).
+
+    Building directly on the device keeps the 1.1B init fast; variants that offload move
+    parameters to the host themselves, and setup memory is kept apart from training memory.
+    """
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(cfg.seed)
     with torch.device(device):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(llama_config(cfg))
     model.train()
     return model
 

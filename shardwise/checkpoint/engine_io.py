@@ -14,6 +14,7 @@ them, writes them into its views and lets the engine make the other copies consi
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import zlib
@@ -324,36 +325,53 @@ def _check_model(engine: Any, reader: CheckpointReader, views: List[ShardView], 
                 "different model or configuration.")
 
 
+def _view_reads(reader: CheckpointReader, view: ShardView, module_only: bool,
+                with_states: bool) -> Dict[str, str]:
+    """The stored kind that loading ``view`` reads for each of its roles, in load order:
+    ``weight`` (the stored weight when its dtype matches or there is no master, else the
+    master), ``master`` (the fp32 master, else the weight) and each ``state.*``."""
+    has_master = reader.has("master", view.name)
+    same_dtype = reader.params[view.name]["dtype"] == dtype_to_str(view.weight.dtype)
+    reads = {"weight": "weight" if reader.has("weight", view.name) and (same_dtype or not has_master)
+             else "master"}
+    if module_only or view.master is None:
+        return reads
+    reads["master"] = "master" if has_master else "weight"
+    if with_states:
+        reads.update((kind, kind) for kind in reader.kinds(view.name) if kind.startswith("state."))
+    return reads
+
+
 def _load_views(engine: Any, reader: CheckpointReader, views: List[ShardView], module_only: bool,
                 load_optimizer: bool) -> None:
     inner = _inner_optimizer(engine)
+    with_states = load_optimizer and inner is not None
     scalars: Dict[str, Dict[str, Any]] = {}
     for rank in range(reader.world_size):
         for name, scal in reader.rank_index(rank).get("scalar_states", {}).items():
             scalars.setdefault(name, scal)
     step_device = _step_device(inner)
-    with torch.no_grad():
-        for view in views:
-            if view.name not in reader.params or view.numel == 0:
+    # Every read is known before the first one, so the reads run ahead on worker threads
+    # (reader.read_ranges, bounded in memory) while this thread copies the previous tensors
+    # to the device; reading, checksumming and copying then overlap instead of taking turns.
+    # A kind serving two roles (the master as weight and as master) is read once.
+    plan = [(view, _view_reads(reader, view, module_only, with_states)) for view in views
+            if view.name in reader.params and view.numel > 0]
+    requests = [(kind, view.name, view.start, view.end)
+                for view, reads in plan for kind in dict.fromkeys(reads.values())]
+    with torch.no_grad(), contextlib.closing(reader.read_ranges(requests)) as tensors:
+        for view, reads in plan:
+            got = {kind: next(tensors) for kind in dict.fromkeys(reads.values())}
+            view.weight.copy_(got[reads["weight"]].to(view.weight.dtype))
+            if "master" not in reads:
                 continue
-            has_master = reader.has("master", view.name)
-            if reader.has("weight", view.name) and (
-                    reader.params[view.name]["dtype"] == dtype_to_str(view.weight.dtype) or not has_master):
-                src = reader.read_range("weight", view.name, view.start, view.end)
-            else:
-                src = reader.read_range("master", view.name, view.start, view.end)
-            view.weight.copy_(src.to(view.weight.dtype))
-            if module_only or view.master is None:
-                continue
-            kind = "master" if has_master else "weight"
-            view.master.copy_(reader.read_range(kind, view.name, view.start, view.end).float())
-            if not load_optimizer or inner is None:
+            view.master.copy_(got[reads["master"]].float())
+            if not with_states:
                 continue
             state: Dict[str, Any] = {}
-            for kind in reader.kinds(view.name):
-                if kind.startswith("state."):
-                    value = reader.read_range(kind, view.name, view.start, view.end)
-                    state[kind[len("state."):]] = value.to(view.master.device)
+            for role, kind in reads.items():
+                if role.startswith("state."):
+                    state[role[len("state."):]] = got[kind].to(view.master.device)
             for key, value in scalars.get(view.name, {}).items():
                 value = from_jsonable(value)
                 if torch.is_tensor(value) and key == "step":

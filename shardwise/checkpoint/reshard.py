@@ -10,16 +10,32 @@ only differs in which ranges a rank owns.
 from __future__ import annotations
 
 import bisect
+import collections
+import os
+import threading
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from ..errors import CheckpointError
 from .format import (FORMAT_NAME, FORMAT_VERSION, META_FILE, SliceFileReader, from_jsonable,
                      read_json, resolve_tag, str_to_dtype)
+
+
+#: :meth:`CheckpointReader.read_ranges` keeps at most this many bytes and this many reads in
+#: flight (queued, running or done but not yet consumed), besides the one being consumed.
+READ_AHEAD_BYTES = 1 << 30
+READ_AHEAD_READS = 8
+
+
+def _read_ahead_workers() -> int:
+    """Reads of different tensors at once: on top of the chunk-parallel reads of big tensors,
+    so that a model of many small (single-chunk) tensors also loads on several cores."""
+    return max(1, min(4, os.cpu_count() or 2))
 
 
 @dataclass(frozen=True)
@@ -38,7 +54,8 @@ class CheckpointReader:
     ``meta`` is the global metadata (``shardwise_meta.json``); ``rank_index(r)`` the index
     written by rank ``r``; ``params`` maps each parameter name to its shape, dtype and
     whether it was trainable. Open data files are cached; use as a context manager or call
-    :meth:`close`.
+    :meth:`close`. Reads may run on several threads at once (the engine's load reads ahead on
+    a few workers); :meth:`close` must wait until they are done.
     """
 
     def __init__(self, checkpoint_dir: Union[str, Path], tag: Optional[str] = None) -> None:
@@ -74,9 +91,12 @@ class CheckpointReader:
                 for key, entry in record["tensors"].items():
                     piece = Piece(int(entry["start"]), int(entry["end"]), fname, key)
                     self._pieces.setdefault((entry["kind"], entry["param"]), []).append(piece)
-        for pieces in self._pieces.values():
+        self._kinds: Dict[str, List[str]] = {}
+        for (kind, name), pieces in self._pieces.items():
             pieces.sort(key=lambda p: p.start)
+            self._kinds.setdefault(name, []).append(kind)
         self._open: Dict[str, SliceFileReader] = {}
+        self._lock = threading.Lock()  # guards _open and _cache
         self._cache: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
 
     def _load_index(self, rank: int) -> Dict[str, Any]:
@@ -102,7 +122,7 @@ class CheckpointReader:
 
     def kinds(self, name: str) -> List[str]:
         """Every kind stored for ``name`` (``weight``, ``master``, ``state.exp_avg``, ...)."""
-        return sorted(k for (k, n) in self._pieces if n == name)
+        return sorted(self._kinds.get(name, ()))
 
     def names(self, kind: str) -> List[str]:
         return [n for (k, n) in self._pieces if k == kind]
@@ -115,23 +135,44 @@ class CheckpointReader:
 
     # ------------------------------------------------------------------ reading
 
-    def _file(self, fname: str) -> SliceFileReader:
-        reader = self._open.get(fname)
-        if reader is None:
-            record = None
-            for index in self._indexes.values():
-                record = index["files"].get(fname, record)
-            reader = SliceFileReader(self.path / fname, record)
-            self._open[fname] = reader
-        return reader
+    def element_size(self, kind: str, name: str) -> int:
+        """Bytes per element of the stored ``(kind, name)`` (0 when it is not stored)."""
+        pieces = self._pieces.get((kind, name))
+        if not pieces:
+            return 0
+        entry = self._record(pieces[0].file)["tensors"][pieces[0].key]
+        return torch.empty((), dtype=str_to_dtype(entry["dtype"])).element_size()
 
-    def _piece_tensor(self, piece: Piece) -> torch.Tensor:
-        # One-entry cache: consecutive ranges of one parameter usually hit the same piece.
+    def _record(self, fname: str) -> Optional[Dict[str, Any]]:
+        record = None
+        for index in self._indexes.values():
+            record = index["files"].get(fname, record)
+        return record
+
+    def _file(self, fname: str) -> SliceFileReader:
+        with self._lock:
+            reader = self._open.get(fname)
+            if reader is None:
+                reader = SliceFileReader(self.path / fname, self._record(fname))
+                self._open[fname] = reader
+            return reader
+
+    def _piece_tensor(self, piece: Piece, whole: bool) -> torch.Tensor:
+        """The stored tensor of ``piece``, flat. One-entry cache for partial reads:
+        consecutive ranges of one parameter usually hit the same piece, and a partial read
+        only copies out of it. A piece handed out ``whole`` belongs to the caller (it may
+        become optimizer state, changed in place), so it is always a fresh read and never
+        cached: no other thread can be handed or be copying from the same tensor."""
         ckey = f"{piece.file}|{piece.key}"
-        if self._cache[0] != ckey:
-            self._cache = (None, None)
-            self._cache = (ckey, self._file(piece.file).read(piece.key).reshape(-1))
-        return self._cache[1]
+        with self._lock:
+            if not whole and self._cache[0] == ckey:
+                return self._cache[1]
+            self._cache = (None, None)  # free the old piece before reading the new one
+        data = self._file(piece.file).read(piece.key).reshape(-1)
+        if not whole:
+            with self._lock:
+                self._cache = (ckey, data)
+        return data
 
     def read_range(self, kind: str, name: str, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """Flat elements ``[start, end)`` of ``(kind, name)`` as a new CPU tensor (saved dtype)."""
@@ -150,9 +191,9 @@ class CheckpointReader:
                 continue
             if piece.start > pos:
                 break
-            data = self._piece_tensor(piece)
-            if out is None and piece.start == start and piece.end == end:
-                self._cache = (None, None)  # handed out whole: the caller owns it now
+            whole = out is None and piece.start == start and piece.end == end
+            data = self._piece_tensor(piece, whole)
+            if whole:
                 return data
             if out is None:
                 out = torch.empty(end - start, dtype=data.dtype)
@@ -166,6 +207,45 @@ class CheckpointReader:
             dtype = self.params.get(name, {}).get("dtype", "float32") if kind == "weight" else "float32"
             out = torch.empty(0, dtype=str_to_dtype(dtype))
         return out
+
+    def read_ranges(self, requests: Iterable[Tuple[str, str, int, int]],
+                    workers: Optional[int] = None) -> Iterator[torch.Tensor]:
+        """``read_range(kind, name, start, end)`` of each request, yielded in order, read ahead.
+
+        Why: a load is a long list of reads, each followed by the caller's work on it (a copy
+        to the device, a cast). Done one after the other, nothing overlaps and a tensor of one
+        crc chunk is read and checksummed on one core. Here ``workers`` threads run the next
+        reads while the caller works, at most READ_AHEAD_READS reads and READ_AHEAD_BYTES
+        bytes ahead of it (and always the next one), so host memory stays bounded. An error
+        of a read (e.g. a CheckpointError for a corrupted file) is raised unchanged when the
+        caller reaches that read. Close the generator (``contextlib.closing``) before the
+        reader: closing cancels the queued reads and waits for the running ones.
+        """
+        requests = list(requests)
+        sizes = [(end - start) * self.element_size(kind, name) for kind, name, start, end in requests]
+        pool = ThreadPoolExecutor(max_workers=workers or _read_ahead_workers(),
+                                  thread_name_prefix="shardwise-readahead")
+        pending: Deque[Tuple[int, "Future[torch.Tensor]"]] = collections.deque()
+        ahead = 0  # bytes of the reads in `pending`
+        nxt = 0
+
+        def fill() -> None:
+            nonlocal ahead, nxt
+            while nxt < len(requests) and (not pending or (
+                    len(pending) < READ_AHEAD_READS and ahead + sizes[nxt] <= READ_AHEAD_BYTES)):
+                pending.append((sizes[nxt], pool.submit(self.read_range, *requests[nxt])))
+                ahead += sizes[nxt]
+                nxt += 1
+
+        try:
+            fill()
+            while pending:
+                size, head = pending.popleft()
+                ahead -= size
+                fill()  # the freed budget goes to the next reads before we wait for this one
+                yield head.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def read_full(self, kind: str, name: str) -> torch.Tensor:
         """The whole ``(kind, name)`` tensor in its global shape."""
@@ -191,10 +271,11 @@ class CheckpointReader:
         return self._file(pieces[0].file).read(pieces[0].key)
 
     def close(self) -> None:
-        for reader in self._open.values():
+        with self._lock:
+            readers, self._open = list(self._open.values()), {}
+            self._cache = (None, None)
+        for reader in readers:
             reader.close()
-        self._open.clear()
-        self._cache = (None, None)
 
     def __enter__(self) -> "CheckpointReader":
         return self

@@ -22,7 +22,10 @@ The pipeline, per optimizer step:
 step ``t+1``'s forward and backward, and its result reaches the GPU at the end of step
 ``t+1``: ``w[t+1] = w[t] - u(g(w[t-1]))`` — parameters are one step stale.
 
-Pinned buffers and the staging buffer are allocated once, at construction, and reused.
+Pinned buffers and the staging buffer are allocated once, at construction, and reused. The
+staging buffer holds STAGING_ELEMS fp32 elements, not a whole bucket: copies go through it
+chunk by chunk (in order on the side stream), so it costs 64 MiB of device memory however
+large ``reduce_bucket_size`` is.
 """
 from __future__ import annotations
 
@@ -32,6 +35,15 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from ..zero.flat_buckets import Bucket
+
+#: fp32 elements of the device staging buffer (64 MiB).
+STAGING_ELEMS = 16 * 1024 * 1024
+
+
+def _chunks(n: int):
+    """``(lo, hi)`` ranges of at most STAGING_ELEMS elements covering ``[0, n)``."""
+    for lo in range(0, n, STAGING_ELEMS):
+        yield lo, min(n, lo + STAGING_ELEMS)
 
 
 class OptimizerOffload:
@@ -53,8 +65,8 @@ class OptimizerOffload:
         self._h2d_event: Optional[torch.cuda.Event] = None
         largest = max((b.hi - b.lo for b in self.buckets), default=0)
         # one buffer suffices: every copy and cast runs in order on the side stream
-        self._staging = (torch.empty(largest, dtype=torch.float32, device=device)
-                         if self.cuda else None)
+        self._staging = (torch.empty(min(largest, STAGING_ELEMS), dtype=torch.float32,
+                                     device=device) if self.cuda else None)
         for b in self.buckets:
             for slot in b.slots:
                 if slot.master is not None:
@@ -82,16 +94,19 @@ class OptimizerOffload:
         with torch.cuda.stream(self.stream):
             if work is not None:
                 work.wait()  # NCCL: makes the copy stream wait for the collective, not the host
-            if accumulate:
-                earlier = self._staging[:reduced.numel()]
-                earlier.copy_(bucket.master_grad, non_blocking=True)
-                reduced.add_(earlier)
-            if reduced.dtype != bucket.master_grad.dtype:
-                # low-precision accumulation: widen on the device, then DMA (stream-ordered)
-                staged = self._staging[:reduced.numel()]
-                staged.copy_(reduced)
-                reduced = staged
-            bucket.master_grad.copy_(reduced, non_blocking=True)
+            host = bucket.master_grad
+            for lo, hi in _chunks(reduced.numel()):
+                part = reduced[lo:hi]
+                if accumulate:
+                    earlier = self._staging[:hi - lo]
+                    earlier.copy_(host[lo:hi], non_blocking=True)
+                    part.add_(earlier)
+                if part.dtype != host.dtype:
+                    # low-precision accumulation: widen on the device, then DMA (stream-ordered)
+                    staged = self._staging[:hi - lo]
+                    staged.copy_(part)
+                    part = staged
+                host[lo:hi].copy_(part, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         self._grad_events[bucket.index] = event
@@ -184,9 +199,10 @@ class OptimizerOffload:
             self.stream.wait_stream(current)  # backward may still be reading the parameters
             with torch.cuda.stream(self.stream):
                 for b in buckets:
-                    staging = self._staging[:b.hi - b.lo]
-                    staging.copy_(b.master, non_blocking=True)
-                    b.param_buf[b.lo:b.hi].copy_(staging)
+                    for lo, hi in _chunks(b.hi - b.lo):
+                        staging = self._staging[:hi - lo]
+                        staging.copy_(b.master[lo:hi], non_blocking=True)
+                        b.param_buf[b.lo + lo:b.lo + hi].copy_(staging)
                 self._h2d_event = torch.cuda.Event()
                 self._h2d_event.record(self.stream)
             current.wait_stream(self.stream)  # the next forward reads what was just written

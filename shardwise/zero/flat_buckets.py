@@ -22,6 +22,8 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
+from ..accelerator import get_accelerator
+
 
 @dataclass
 class ParamSlot:
@@ -108,11 +110,11 @@ def build_bucket(index: int, group_index: int, run: List[tuple], *, world: int, 
     else:
         master = param_buf[lo:hi].to(device=master_device, dtype=torch.float32, copy=True)
         if master_device != device and pin:
-            master = master.pin_memory()  # updated masters are DMA'd straight to the device
+            master = get_accelerator().pin_memory(master)  # masters are DMA'd straight to the device
         if partitioned or master_device != device or separate_master or grad_dtype != torch.float32:
             master_grad = torch.zeros(hi - lo, dtype=torch.float32, device=master_device)
             if master_device != device and pin:
-                master_grad = master_grad.pin_memory()
+                master_grad = get_accelerator().pin_memory(master_grad)
         else:
             master_grad = grad_buf
     bucket = Bucket(index=index, group_index=group_index, slots=slots, numel=numel, lo=lo, hi=hi,

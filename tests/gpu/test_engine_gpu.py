@@ -102,3 +102,21 @@ def test_cuda_host_accumulation_matches_device_accumulation() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     check(0.0)
     check(0.05)
+
+
+@pytest.mark.gpu
+def test_large_pinned_blocks_are_not_rounded_up() -> None:
+    """Offload's flat buffers are pinned at their exact size: a block just over 96 MiB would
+    take 128 MiB of locked RAM with the host allocator's power-of-two rounding."""
+    from shardwise.accelerator import get_accelerator
+    from shardwise.accelerator.base import exact_large_pinned_blocks
+
+    get_accelerator().pin_memory(torch.empty(8))  # applies the setting on first use
+    if not exact_large_pinned_blocks("cuda"):
+        pytest.skip("this torch has no pinned_max_round_threshold_mb setting")
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    nbytes = (96 << 20) + 4096
+    t = get_accelerator().pin_memory(torch.empty(nbytes // 4))
+    assert t.is_pinned()
+    grown = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
+    assert nbytes <= grown < (128 << 20), grown

@@ -7,6 +7,7 @@ way a ZeRO strategy would, with a real torch Adam stepping fp32 masters, so a ch
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -173,6 +174,91 @@ def test_truncated_and_corrupted_files_name_the_file(tmp_path, monkeypatch):
     path.write_bytes(bytes(flipped))
     with pytest.raises(CheckpointError, match="y.safetensors: header"):
         SliceFileReader(path, record)
+
+
+def test_chunk_parallel_reads_verify_every_chunk(tmp_path, monkeypatch):
+    """A tensor of many crc chunks is read by several threads at once, each into its slice of
+    one buffer: the bytes must come back exactly, from any thread, and a flip in any one
+    chunk (here the second) must still fail the whole read, naming the file and tensor."""
+    from shardwise.checkpoint import format as fmt
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(fmt, "_read_workers", lambda: 4)
+    path = tmp_path / "p.safetensors"
+    gen = torch.Generator().manual_seed(1)
+    tensors = {"big": torch.randn(999, generator=gen), "half": torch.randn(77, generator=gen).half(),
+               "one": torch.randn(3, generator=gen)}
+    record = write_safetensors(path, [TensorItem(k, v.dtype, list(v.shape), v) for k, v in tensors.items()])
+    assert len(record["tensors"]["big"]["crc32"]) == 16  # 3996 bytes at 256 per chunk
+    with SliceFileReader(path, record) as reader:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(3) as pool:  # concurrent reads through per-thread handles
+            got = list(pool.map(reader.read, ["big", "half", "one"] * 4))
+        for k, v in zip(["big", "half", "one"] * 4, got):
+            assert torch.equal(v, tensors[k])
+    data = bytearray(path.read_bytes())
+    begin = len(data) - sum(v.numel() * v.element_size() for v in tensors.values())
+    lo = record["tensors"]["big"]["offsets"][0]
+    data[begin + lo + 256 + 17] ^= 0x10  # inside the second chunk of "big"
+    path.write_bytes(bytes(data))
+    with SliceFileReader(path, record) as reader:
+        assert torch.equal(reader.read("half"), tensors["half"])  # other tensors unaffected
+        with pytest.raises(CheckpointError, match="p.safetensors.*checksum mismatch in tensor 'big'"):
+            reader.read("big")
+    reader.close()  # closing twice is harmless
+    with pytest.raises(ValueError, match="closed"):
+        reader.read("one")
+
+
+def test_file_shrunk_after_open_is_truncation_not_garbage(tmp_path, monkeypatch):
+    """The size check at open cannot see a file cut later; the chunk reads must then report
+    a short read as truncation instead of returning a partly filled buffer."""
+    from shardwise.checkpoint import format as fmt
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 256)
+    path = tmp_path / "s.safetensors"
+    value = torch.randn(1000)
+    record = write_safetensors(path, [TensorItem("t", torch.float32, [1000], value)])
+    reader = SliceFileReader(path, record)
+    os.truncate(path, record["size"] - 600)
+    with pytest.raises(CheckpointError, match="s.safetensors: tensor 't' is truncated"):
+        reader.read("t")
+    reader.close()
+
+
+def test_read_ahead_keeps_order_bounds_memory_and_raises_at_the_bad_read(tmp_path, monkeypatch):
+    from shardwise.checkpoint import reshard
+    monkeypatch.setattr(reshard, "READ_AHEAD_READS", 2)
+    src = _trained(2)
+    write_synthetic(tmp_path, "t", src)
+    with CheckpointReader(tmp_path) as reader:
+        names = [n for n in reader.params if reader.has("master", n)]
+        requests = [("master", n, 1, reader.numel(n) - 1) for n in names]
+        requests += [("state.exp_avg", n, 0, reader.numel(n)) for n in names]
+        want = [reader.read_range(*r) for r in requests]
+        started = []
+        plain = reader.read_range
+        monkeypatch.setattr(reader, "read_range", lambda *a: started.append(a) or plain(*a))
+        with contextlib.closing(reader.read_ranges(requests, workers=3)) as got:
+            for consumed, w in enumerate(want, start=1):
+                assert torch.equal(next(got), w)
+                # never more than READ_AHEAD_READS reads beyond the one just handed out
+                assert len(started) <= consumed + 2
+            assert next(got, None) is None
+        assert sorted(started) == sorted(requests)  # each read once (threads may start them out of order)
+    # a corrupted file: the reads before the bad one arrive, the bad one raises CheckpointError
+    path = tmp_path / "t" / "rank00001-of-00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with CheckpointReader(tmp_path) as reader:
+        order = [(k, n, 0, reader.numel(n)) for n in reader.params for k in reader.kinds(n)]
+        good = []
+        with pytest.raises(CheckpointError, match="rank00001-of-00002.safetensors.*checksum"):
+            with contextlib.closing(reader.read_ranges(order, workers=2)) as got:
+                for _ in order:
+                    good.append(next(got))
+        assert len(good) < len(order)
+    with pytest.raises(CheckpointError, match="rank00001-of-00002.safetensors"):
+        load_checkpoint(FakeEngine(_net(), 0, 1), tmp_path)
 
 
 def _pipeline_items():

@@ -1,0 +1,271 @@
+"""The largest Llama-shaped model that trains on one GPU under ZeRO-3 + full CPU offload.
+
+Each trial builds a Llama-2-7B-wide model (hidden 4096, MLP 11008, 32 heads) with a given
+number of decoder layers under ``zero.Init`` (shardwise's or DeepSpeed's, so the full model
+never exists in one piece), wraps it with ZeRO stage 3, ``offload_param`` and
+``offload_optimizer`` on pinned CPU memory, bf16, and runs a few optimizer steps. Trials run
+one per subprocess, smallest first, and a framework stops at its first failure:
+
+    python benchmarks/scale_bench.py --sw-layers 24,32,36 --ds-layers 20,24,28 --ds-prebuild
+
+Host RAM is what bounds the model here (the GPU only ever holds a few layers), so the parent
+watches the machine's available memory and kills a trial before the kernel's OOM killer has
+to choose a victim (which could be this parent or the machine's agent): such a trial reads
+"host memory exhausted". The table puts the measured host peak next to the ZeRO paper's
+16 bytes/parameter of model states (2 bf16 weights + 2 bf16 gradients + 12 fp32 master,
+momentum and variance); both frameworks keep fp32 gradients on the host, 18 bytes/param.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR.parent))
+sys.path.insert(0, str(BENCH_DIR))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+import train_bench as tb  # noqa: E402
+from _common import GIB, BenchConfig, HostRssSampler, count_params, format_table, llama_config  # noqa: E402
+
+RESULT_MARKER = "@@SCALE_BENCH_RESULT@@ "
+FRAMEWORKS = ("sw", "ds")
+
+
+def trial_config(args: argparse.Namespace, layers: int) -> BenchConfig:
+    return BenchConfig(layers=layers, hidden=args.hidden, intermediate=args.intermediate,
+                       heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab, seq=args.seq,
+                       micro_batch=args.micro_batch, grad_accum=1, warmup=1, steps=args.steps,
+                       device=args.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: one trial in its own process.
+# ---------------------------------------------------------------------------------------------
+def build_engine(framework: str, cfg: BenchConfig) -> tuple[Any, int]:
+    """The model built under zero.Init and wrapped by the framework's initialize()."""
+    from transformers import LlamaForCausalLM
+
+    config = tb.engine_config(cfg, tb.ZERO_SECTIONS["z3_offload"])
+    tb.set_single_process_env()
+    torch.manual_seed(cfg.seed)
+    if framework == "sw":
+        import shardwise as lib
+    else:
+        import deepspeed as lib
+        lib.init_distributed(dist_backend=tb.backend_for(torch.device(cfg.device)))
+    with lib.zero.Init(config_dict_or_path=config):
+        model = LlamaForCausalLM(llama_config(cfg))
+    model.train()
+    # partitioned parameters report an empty local shape; count the global shapes
+    n_params = sum(int(getattr(p, "ds_numel", 0) or getattr(p, "sw_numel", 0) or p.numel())
+                   for p in {id(p): p for p in model.parameters()}.values())
+    engine, _, _, _ = lib.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, n_params
+
+
+def run_trial(framework: str, cfg: BenchConfig) -> dict[str, Any]:
+    device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    start = time.perf_counter()
+    with HostRssSampler() as rss:
+        engine, n_params = build_engine(framework, cfg)
+        build_s = time.perf_counter() - start
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        x = torch.randint(0, cfg.vocab, (cfg.micro_batch, cfg.seq), generator=gen).to(device)
+        step = tb.engine_step(engine, [x])
+        times, losses = [], []
+        for i in range(cfg.warmup + cfg.steps):
+            t0 = time.perf_counter()
+            loss = step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= cfg.warmup:
+                times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach().float().item()))
+    if not all(l == l and abs(l) < 1e4 for l in losses):  # NaN or blown up: not "trains"
+        raise RuntimeError(f"losses are not finite: {losses}")
+    return {"framework": framework, "layers": cfg.layers, "n_params": n_params,
+            "build_s": build_s, "step_s": sum(times) / len(times), "losses": losses,
+            "host_rss_peak_gib": rss.peak_bytes / GIB,
+            "gpu_peak_gib": (torch.cuda.max_memory_allocated(device) / GIB
+                             if device.type == "cuda" else None)}
+
+
+def worker_main(framework: str, cfg: BenchConfig) -> int:
+    try:
+        result, code = run_trial(framework, cfg), 0
+    except BaseException as exc:  # every failure becomes a row, with its reason
+        traceback.print_exc()
+        result = {"framework": framework, "layers": cfg.layers,
+                  "error": f"{type(exc).__name__}: {exc}"}
+        code = 1
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+    return code
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: trials one after another, under a timeout and a host-memory watchdog.
+# ---------------------------------------------------------------------------------------------
+def _tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc] + proc.children(recursive=True):
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def run_guarded(argv: list[str], log_path: Path, timeout_s: float,
+                min_free_gib: float) -> tuple[str, float, float]:
+    """Run ``argv``; ('ok'|'failed'|'timeout'|'host-oom', wall seconds, min available GiB)."""
+    start = time.perf_counter()
+    low = psutil.virtual_memory().available
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                env=tb._worker_env(1), cwd=str(BENCH_DIR.parent))
+        status = None
+        while status is None:
+            try:
+                code = proc.wait(timeout=0.25)
+                status = "ok" if code == 0 else "failed"
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            avail = psutil.virtual_memory().available
+            low = min(low, avail)
+            if avail < min_free_gib * GIB:
+                status = "host-oom"
+            elif time.perf_counter() - start > timeout_s:
+                status = "timeout"
+        if status in ("host-oom", "timeout"):
+            tb._kill_tree(proc.pid)
+            proc.wait()
+    return status, time.perf_counter() - start, low / GIB
+
+
+def run_trial_subprocess(framework: str, cfg: BenchConfig, args: argparse.Namespace,
+                         log_dir: Path) -> dict[str, Any]:
+    log_path = log_dir / f"{framework}_{cfg.layers}.log"
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", framework,
+            "--config-json", cfg.to_json()]
+    status, wall, low = run_guarded(argv, log_path, args.timeout, args.min_free_gib)
+    result: dict[str, Any] | None = None
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith(RESULT_MARKER):
+            result = json.loads(line[len(RESULT_MARKER):])
+    if status == "host-oom":
+        result = {"error": f"host memory exhausted (available fell below {args.min_free_gib} GiB)"}
+    elif status == "timeout":
+        result = {"error": f"timed out after {args.timeout:.0f} s"}
+    elif result is None:
+        result = {"error": "worker died without a result (killed?)"}
+    if result.get("error"):
+        result["log_tail"] = tb._tail(log_path)
+    result.update(framework=framework, layers=cfg.layers, wall_s=wall, min_available_gib=low)
+    return result
+
+
+def add_arithmetic(row: dict[str, Any], host_total_gib: float) -> None:
+    """ZeRO model-state bytes beside the measurement (Psi = parameters)."""
+    n = row.get("n_params")
+    if not n:
+        return
+    row["params_b"] = n / 1e9
+    row["states16_gib"] = 16 * n / GIB
+    row["states18_gib"] = 18 * n / GIB
+    row["host_bytes_per_param"] = row["host_rss_peak_gib"] * GIB / n
+    row["host_total_gib"] = host_total_gib
+
+
+TABLE_COLUMNS = [
+    ("name", "trial", ""),
+    ("params_b", "params B", ".2f"),
+    ("states16_gib", "16*Psi GiB", ".1f"),
+    ("states18_gib", "18*Psi GiB", ".1f"),
+    ("host_rss_peak_gib", "host peak GiB", ".1f"),
+    ("host_bytes_per_param", "host B/param", ".1f"),
+    ("gpu_peak_gib", "GPU peak GiB", ".1f"),
+    ("build_s", "build s", ".0f"),
+    ("step_s", "step s", ".2f"),
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sw-layers", default="24,32", help="shardwise trials: decoder layers, ascending")
+    p.add_argument("--ds-layers", default="", help="DeepSpeed trials: decoder layers, ascending")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=11008)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--timeout", type=float, default=420.0, help="seconds per trial")
+    p.add_argument("--min-free-gib", type=float, default=2.0,
+                   help="kill a trial when the machine's available memory falls below this")
+    p.add_argument("--ds-prebuild", action="store_true", help="JIT-build DeepSpeed's CPU Adam first")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", BENCH_DIR.parent / "out"))
+                   / "scale_bench.json")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, BenchConfig.from_json(args.config_json))
+    plan = {fw: [int(x) for x in getattr(args, f"{fw}_layers").split(",") if x.strip()]
+            for fw in FRAMEWORKS}
+    host_total = psutil.virtual_memory().total / GIB
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="scale_bench_") as tmp:
+        log_dir = Path(tmp)
+        if plan["ds"] and args.ds_prebuild:
+            print(f"[scale_bench] deepspeed prebuild: {tb.prebuild_deepspeed_ops(600, log_dir)}",
+                  flush=True)
+        for fw in FRAMEWORKS:
+            for layers in plan[fw]:
+                row = run_trial_subprocess(fw, trial_config(args, layers), args, log_dir)
+                row["name"] = f"{fw} {layers} layers"
+                add_arithmetic(row, host_total)
+                results.append(row)
+                print(f"[scale_bench] {row['name']}: "
+                      f"{row.get('error') or 'trained, host peak %.1f GiB' % row['host_rss_peak_gib']}",
+                      flush=True)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps({"host_total_gib": host_total, "results": results},
+                                               indent=2))
+                if row.get("error"):
+                    break  # larger models of this framework will not fit either
+    print(f"\nhost RAM {host_total:.1f} GiB; ZeRO-3 + offload_param + offload_optimizer (cpu, "
+          f"pinned), bf16, micro batch {args.micro_batch} x {args.seq}")
+    print(format_table(results, TABLE_COLUMNS))
+    for fw in FRAMEWORKS:
+        ok = [r for r in results if r["framework"] == fw and not r.get("error")]
+        if plan[fw]:
+            best = max(ok, key=lambda r: r["n_params"]) if ok else None
+            print(f"largest that trained, {fw}: "
+                  f"{'%.2fB parameters (%d layers)' % (best['params_b'], best['layers']) if best else 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
