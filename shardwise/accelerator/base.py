@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -205,7 +206,9 @@ def exact_large_pinned_blocks(kind: str = "cuda") -> bool:
             if setter is None:
                 continue
             try:
-                setter(setting)
+                with warnings.catch_warnings():  # the cuda spelling is deprecated in torch 2.11
+                    warnings.simplefilter("ignore")
+                    setter(setting)
                 applied = True
                 break
             except (RuntimeError, TypeError, ValueError):

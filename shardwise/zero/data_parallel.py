@@ -24,10 +24,6 @@ from .shard_view import ShardView
 from .strategy import ZeroStrategy
 
 
-#: Bucket size cap (elements) for offloaded buckets of low-precision models (200 MB of fp32).
-OFFLOAD_BUCKET_ELEMS = 50_000_000
-
-
 class DataParallelStrategy(ZeroStrategy):
     def __init__(self, *, stage: int, param_groups: Sequence[Sequence[tuple]],
                  group: Optional[dist.ProcessGroup], device: torch.device,
@@ -53,12 +49,6 @@ class DataParallelStrategy(ZeroStrategy):
         self.frozen = list(frozen)
         total = sum(p.numel() for named in param_groups for _, p in named)
         offload_budget = total * offload_ratio if self.offload else 0
-        if self.offload and compute_dtype != torch.float32:
-            # A low-precision model's offloaded gradients live on the device only while their
-            # bucket is being filled and streamed out: the bucket size sets that memory (at the
-            # step's peak, the start of backward) and the CPU step of the last bucket, which
-            # nothing overlaps. DeepSpeed's default 5e8 elements would make both large.
-            bucket_elems = min(bucket_elems, OFFLOAD_BUCKET_ELEMS)
         placed = 0
         self.buckets: List[Bucket] = []
         self.groups: List[List[Bucket]] = []

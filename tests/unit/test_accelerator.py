@@ -37,3 +37,31 @@ def test_environment_forces_the_accelerator() -> None:
                          env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"}, timeout=60)
     assert out.stdout.strip() == "cpu", out.stderr
     assert shardwise.get_accelerator().kind in ("cpu", "cuda", "xpu", "mps")
+
+
+def test_large_pinned_blocks_setting_respects_the_user_and_old_torch(monkeypatch):
+    """The pinned-rounding threshold goes to torch once per process; a threshold the user
+    put in PYTORCH_CUDA_ALLOC_CONF wins, and a torch that rejects the key keeps rounding."""
+    import torch
+    from shardwise.accelerator import base
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setattr(base, "_PINNED_ROUNDING_DONE", {})
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert base.exact_large_pinned_blocks("cpu") is True
+    assert base.exact_large_pinned_blocks("cpu") is True  # cached: asked once
+    assert calls == [f"pinned_max_round_threshold_mb:{base.PINNED_ROUND_THRESHOLD_MB}"]
+
+    monkeypatch.setattr(base, "_PINNED_ROUNDING_DONE", {})
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_max_round_threshold_mb:1024")
+    assert base.exact_large_pinned_blocks("cpu") is False and len(calls) == 1
+
+    def reject(setting):
+        raise RuntimeError(f"Unrecognized key in {setting}")
+
+    monkeypatch.setattr(base, "_PINNED_ROUNDING_DONE", {})
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", reject, raising=False)
+    assert base.exact_large_pinned_blocks("cpu") is False

@@ -117,3 +117,21 @@ def test_safetensors_roundtrip_on_a_drive_letter_path(tmp_path: Path) -> None:
     with fmt.SliceFileReader(path, record2) as reader:
         assert torch.equal(reader.read("master/fc.bias/0"), master * 2)
     assert _temps(path.parent) == []
+
+
+def test_chunk_parallel_reads_release_every_handle(tmp_path: Path, monkeypatch) -> None:
+    """A tensor of several crc chunks is read on worker threads, each through its own handle;
+    closing the reader must close all of them, or Windows refuses the rewrite that follows."""
+    torch = pytest.importorskip("torch")
+    fmt = require("shardwise.checkpoint.format", "write_safetensors", "SliceFileReader", "TensorItem")
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(fmt, "_read_workers", lambda: 4)
+    path = tmp_path / "rank00000-of-00001.safetensors"
+    value = torch.randn(1000)
+    record = fmt.write_safetensors(path, [fmt.TensorItem("t", torch.float32, [1000], value)])
+    with fmt.SliceFileReader(path, record) as reader:
+        assert torch.equal(reader.read("t"), value)
+    record = fmt.write_safetensors(path, [fmt.TensorItem("t", torch.float32, [1000], value * 3)])
+    with fmt.SliceFileReader(path, record) as reader:
+        assert torch.equal(reader.read("t"), value * 3)
+    assert _temps(tmp_path) == []
