@@ -73,6 +73,19 @@ class BenchConfig:
         return cls(**json.loads(text))
 
 
+def add_shape_args(parser: Any, *, layers: bool = True, **defaults: int) -> None:
+    """The model and batch shape flags the benchmarks share (``--hidden``, ``--kv-heads``, ...),
+    defaulting to BenchConfig's 1.1B Llama unless ``defaults`` says otherwise."""
+    d = BenchConfig()
+    shape = {"layers": d.layers, "hidden": d.hidden, "intermediate": d.intermediate,
+             "heads": d.heads, "kv_heads": d.kv_heads, "vocab": d.vocab, "seq": d.seq,
+             "micro_batch": d.micro_batch, **defaults}
+    if not layers:
+        shape.pop("layers")
+    for name, value in shape.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=value)
+
+
 def llama_config(cfg: BenchConfig) -> Any:
     """The transformers LlamaConfig of ``cfg`` (SDPA attention, no KV cache)."""
     from transformers import LlamaConfig

@@ -28,8 +28,10 @@ from typing import Dict, List, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shardwise  # noqa: E402
+from _common import add_shape_args  # noqa: E402
 from shardwise.profiling.memory_estimator import GiB, estimate_activations, model_shape  # noqa: E402
 
 ck = shardwise.checkpointing
@@ -41,14 +43,7 @@ _ESTIMATE_MODE = {"none": False, "full": "full", "selective": "selective", "sele
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=22)
-    p.add_argument("--intermediate", type=int, default=5632)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=2048)
+    add_shape_args(p)
     p.add_argument("--steps", type=int, default=5, help="timed steps per setting")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per setting")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")

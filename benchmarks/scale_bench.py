@@ -36,7 +36,8 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import train_bench as tb  # noqa: E402
-from _common import GIB, BenchConfig, HostRssSampler, count_params, format_table, llama_config  # noqa: E402
+from _common import (GIB, BenchConfig, HostRssSampler, add_shape_args, format_table,  # noqa: E402
+                     llama_config)
 
 RESULT_MARKER = "@@SCALE_BENCH_RESULT@@ "
 FRAMEWORKS = ("sw", "ds")
@@ -208,13 +209,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sw-layers", default="24,32", help="shardwise trials: decoder layers, ascending")
     p.add_argument("--ds-layers", default="", help="DeepSpeed trials: decoder layers, ascending")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=11008)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--micro-batch", type=int, default=4)
+    # Llama-2-7B's width; the layer count is what each trial varies
+    add_shape_args(p, layers=False, hidden=4096, intermediate=11008, kv_heads=32, micro_batch=4)
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per trial")

@@ -48,6 +48,7 @@ import torch  # noqa: E402
 
 from _common import (  # noqa: E402
     BenchConfig,
+    add_shape_args,
     build_model,
     count_params,
     embedding_params,
@@ -562,14 +563,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated, from: {', '.join(VARIANTS)}")
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--intermediate", type=int, default=d.intermediate)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
-    p.add_argument("--vocab", type=int, default=d.vocab)
-    p.add_argument("--seq", type=int, default=d.seq)
-    p.add_argument("--micro-batch", type=int, default=d.micro_batch)
+    add_shape_args(p)
     p.add_argument("--grad-accum", type=int, default=d.grad_accum,
                    help="micro batches per optimizer step; tokens/s counts all of them")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed optimizer steps")
