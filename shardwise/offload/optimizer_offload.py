@@ -29,12 +29,13 @@ large ``reduce_bucket_size`` is.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from ..zero.flat_buckets import Bucket
+from .cpu_worker import cpu_step_pool, detached_step
 
 #: fp32 elements of the device staging buffer (64 MiB).
 STAGING_ELEMS = 16 * 1024 * 1024
@@ -55,7 +56,7 @@ class OptimizerOffload:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-offload")
+        self.pool = cpu_step_pool("shardwise-offload")
         self.delayed = delayed
         self.warmup = max(int(warmup), 0)
         self.steps_done = 0
@@ -122,7 +123,7 @@ class OptimizerOffload:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     # --- 2. the CPU step ------------------------------------------------------------------------
-    def _step_buckets(self, inner: torch.optim.Optimizer, buckets: Sequence[Bucket],
+    def _step_buckets(self, step: Callable[[], None], buckets: Sequence[Bucket],
                       prescale: Optional[float]) -> None:
         if self._h2d_event is not None:
             self._h2d_event.synchronize()  # the last host-to-device copy still reads the masters
@@ -141,7 +142,7 @@ class OptimizerOffload:
         hidden = [(m, m.grad) for m in self.resident]
         for m, _ in hidden:
             m.grad = None
-        inner.step()
+        step()
         for m in masters:
             m.grad = None
         for m, g in hidden:
@@ -150,7 +151,7 @@ class OptimizerOffload:
     def eager_step_bucket(self, inner: torch.optim.Optimizer, bucket: Bucket,
                           prescale: float) -> None:
         """Step one bucket in the background as soon as its gradients are on their way."""
-        self._futures.append(self.pool.submit(self._step_buckets, inner, [bucket], prescale))
+        self._futures.append(self.pool.submit(self._step_buckets, inner.step, [bucket], prescale))
         self._eager_order.append(bucket)
 
     def step(self, inner: torch.optim.Optimizer, eager: bool,
@@ -173,10 +174,11 @@ class OptimizerOffload:
             factor = factor_fn()
 
             if delayed:
-                self._futures.append(self.pool.submit(self._step_buckets, inner, self.buckets,
-                                                      factor))
+                # the scheduler changes the rates as soon as this returns: step a snapshot
+                self._futures.append(self.pool.submit(self._step_buckets, detached_step(inner),
+                                                      self.buckets, factor))
             else:
-                self._step_buckets(inner, self.buckets, factor)
+                self._step_buckets(inner.step, self.buckets, factor)
         if not delayed and not eager:
             self._copy_params_to_device()
         self.steps_done += 1

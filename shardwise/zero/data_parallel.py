@@ -32,7 +32,11 @@ class DataParallelStrategy(ZeroStrategy):
                  offload_device: Optional[torch.device] = None, pin_memory: bool = False,
                  offload_ratio: float = 1.0, delayed_update: bool = False,
                  delayed_update_warmup: int = 0, eager_offload_step: bool = False,
-                 grad_dtype: torch.dtype = torch.float32, frozen: Sequence[tuple] = ()) -> None:
+                 grad_dtype: torch.dtype = torch.float32, frozen: Sequence[tuple] = (),
+                 separate_masters: bool = False) -> None:
+        """``separate_masters``: fp32 masters apart from the weights even where they could
+        share memory (fp32, nothing partitioned), so the weights can lag the masters (a
+        delayed update)."""
         self.stage = stage
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -63,8 +67,8 @@ class DataParallelStrategy(ZeroStrategy):
                                       rank=self.rank, partitioned=self.partitioned,
                                       compute_dtype=compute_dtype, device=device,
                                       master_device=offload_device if offloaded else device,
-                                      pin=pin_memory, separate_master=offloaded,
-                                      grad_dtype=grad_dtype)
+                                      pin=pin_memory, grad_dtype=grad_dtype,
+                                      separate_master=offloaded or separate_masters)
                 bucket.extra["offloaded"] = offloaded
                 bucket.extra["grad_is_master"] = bucket.master_grad.data_ptr() == bucket.grad_buf.data_ptr()
                 self.buckets.append(bucket)
@@ -81,6 +85,11 @@ class DataParallelStrategy(ZeroStrategy):
         # in between, so the forward's activations can use that memory (the peak of a step is
         # at the start of backward, before any gradient exists)
         self._free_grads = not self._direct_grads
+        if self._free_grads:
+            # from the start, not only after the first step: the first forward is as high a
+            # peak as any later one, and nothing reads a gradient before backward writes one
+            for bucket in self.buckets:
+                bucket.grad_buf.untyped_storage().resize_(0)
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for slot in b.slots]
         self._attach_grad_views()

@@ -80,3 +80,29 @@ def max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> List
         if not torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5):
             bad.append(f"{k}: max abs diff {(a[k] - b[k]).abs().max().item():.3e}")
     return bad
+
+
+def dpu_reference(lrs: List[float], global_batch: int, warmup: int,
+                  clip: float = 0.0) -> Dict[str, torch.Tensor]:
+    """The delayed parameter update by its definition: fp32 masters w, and the model computes
+    at p[t] = w[t-1] once delayed (t >= warmup), else at w[t]:
+    w[t+1] = w[t] - u(g(p[t])), with step t at learning rate ``lrs[t]``."""
+    model = make_model()
+    masters = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=lrs[0], weight_decay=0.01)
+    for t, (x, y) in enumerate(global_batches(len(lrs), global_batch)):
+        model.zero_grad()
+        model(x, y).backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        before = [m.clone() for m in masters]
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.clone()
+        for group in opt.param_groups:
+            group["lr"] = lrs[t]
+        opt.step()
+        use = before if t >= warmup else masters
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), use):
+                p.copy_(v)
+    return {name: m for (name, _), m in zip(model.named_parameters(), masters)}

@@ -60,6 +60,24 @@ def test_cuda_bf16_and_parameters_live_on_the_gpu() -> None:
     assert bucket.master.is_pinned() and bucket.master_grad.is_pinned()
 
 
+def test_cuda_offloaded_bf16_model_holds_only_its_weights_before_training() -> None:
+    """ZeRO-2 + optimizer offload of a bf16 model: after initialize the GPU holds the bf16
+    weights and the 64 MiB staging buffer, no gradient buffer (the first forward's peak)."""
+    import shardwise
+    from shardwise.offload.optimizer_offload import STAGING_ELEMS
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    cfg = engine_config(2, 4, 2, 0.0, 1e-2, bf16={"enabled": True},
+                        zero_optimization={"offload_optimizer": {"device": "cpu", "pin_memory": True}})
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    n = sum(p.numel() for p in engine.module.parameters())
+    staging = min(STAGING_ELEMS, max(b.hi - b.lo for b in engine.strategy.buckets)) * 4
+    held = torch.cuda.memory_allocated() - before
+    assert held <= 2 * n + staging + (1 << 20), (held, 2 * n, staging)
+    engine.destroy()
+
+
 
 def test_cuda_delayed_update_matches_its_definition() -> None:
     """The same exact-staleness check as on the CPU, with real streams and pinned copies."""

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import shardwise
-from tests.distributed._parity import (engine_config, global_batches, make_model, max_rel_diff,
-                                       reference_params, train_engine)
+from tests.distributed._parity import (dpu_reference, engine_config, global_batches, make_model,
+                                       max_rel_diff, reference_params, train_engine)
 
 
 def _offload(**opts):
@@ -44,25 +44,6 @@ def test_offload_places_masters_by_ratio_and_is_eager_only_when_it_may_be() -> N
     assert not engine3.strategy.eager  # clipping needs every gradient first
 
 
-def _dpu_reference(steps: int, warmup: int, lr: float) -> dict:
-    """w[t+1] = w[t] - u(g(p[t])), where the model computes at p[t] = w[t-1] once delayed."""
-    model = make_model()
-    masters = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=0.01)
-    for t, (x, y) in enumerate(global_batches(steps, 4)):
-        loss = model(x, y)
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-        before = [m.clone() for m in masters]
-        for m, g in zip(masters, grads):
-            m.grad = g
-        opt.step()
-        use = before if t >= warmup else masters
-        with torch.no_grad():
-            for p, v in zip(model.parameters(), use):
-                p.copy_(v)
-    return {name: m for (name, _), m in zip(model.named_parameters(), masters)}
-
-
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_delayed_parameter_update_is_one_step_stale_exactly(warmup: int) -> None:
     steps = 8
@@ -76,7 +57,7 @@ def test_delayed_parameter_update_is_one_step_stale_exactly(warmup: int) -> None
         engine.backward(loss)
         engine.step()
     views = {v.name: v for v in engine.shard_views()}  # flushes the last delayed update
-    ref = _dpu_reference(steps, warmup, 1e-2)
+    ref = dpu_reference([1e-2] * steps, 4, warmup)
     for name, want in ref.items():
         got = views[name].master.view(want.shape).cpu()
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
@@ -84,6 +65,34 @@ def test_delayed_parameter_update_is_one_step_stale_exactly(warmup: int) -> None
     # and it really is stale: without the delay the parameters differ
     plain = train_engine(0, 1, engine_config(2, 4, 1, 0.0, 1e-2), steps)
     assert max_rel_diff(plain, {k: v for k, v in ref.items()})
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_delayed_update_steps_at_the_rate_of_its_own_step_while_the_scheduler_moves_on(stage) -> None:
+    """The background step must use the learning rate of the step that produced it, though
+    the scheduler writes the next rate as soon as engine.step() returns (a step pre-hook
+    holds the background step back, so the scheduler has always written it by then)."""
+    import time
+    steps = 6
+    zero = _offload(delayed_update=True)
+    if stage == 3:  # weights partitioned, biases persistent: both delayed
+        zero.update(stage=3, stage3_param_persistence_threshold=30)
+    cfg = engine_config(2, 4, 1, 0.0, 1e-2, zero_optimization=zero,
+                        scheduler={"type": "WarmupLR", "params": {
+                            "warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4,
+                            "warmup_type": "linear"}})
+    engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
+    engine.optimizer.inner.register_step_pre_hook(lambda opt, args, kwargs: time.sleep(0.05))
+    lrs = []
+    for x, y in global_batches(steps, 4):
+        lrs.append(engine.get_lr()[0])
+        engine.backward(engine(x, y))
+        engine.step()
+    assert len(set(lrs)) > 3  # the rate really changes from step to step
+    views = {v.name: v for v in engine.shard_views()}
+    for name, want in dpu_reference(lrs, 4, 0).items():
+        got = views[name].master.view(want.shape).cpu()
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
 
 
 def test_host_memory_stays_flat_over_hundreds_of_steps() -> None:

@@ -23,12 +23,13 @@ ordering.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, List, Optional
 
 import torch
 
 from ...accelerator import get_accelerator
+from ...offload.cpu_worker import cpu_step_pool
 
 def alloc_host(numel: int, device: torch.device, pin: bool) -> torch.Tensor:
     """A zeroed fp32 buffer on ``device``; pinned when it is host memory and pinning helps."""
@@ -49,8 +50,7 @@ class HostGradAccumulator:
         self.asynchronous = torch.device(master_device).type == "cpu"
         self.copies = self.asynchronous and self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.copies else None
-        self.pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-grads")
-                     if self.asynchronous else None)
+        self.pool = cpu_step_pool("shardwise-grads") if self.asynchronous else None
         self._futures: List[Future] = []
         self._sumsq_host: List[float] = []
         self._sumsq_device: Optional[torch.Tensor] = None

@@ -23,6 +23,7 @@ parameters (fewer than ``param_persistence_threshold`` elements) stay whole on e
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Dict, List, Optional, Sequence, Set
 
 import torch
@@ -30,12 +31,13 @@ import torch.distributed as dist
 
 from ...comm import reduce_scatter_flat
 from ...errors import ConfigError, ZeroError
-from ...utils.logging import log_dist, warn_once
+from ...utils.logging import log_dist
 from ..data_parallel import DataParallelStrategy
 from ..shard_view import ShardView
 from ..strategy import ZeroStrategy
 from . import partition as P
 from .hooks import ParamCoordinator
+from ...offload.cpu_worker import cpu_step_pool, detached_step
 from .param_offload import HostGradAccumulator, alloc_host
 
 
@@ -74,13 +76,13 @@ class Stage3Strategy(ZeroStrategy):
         # eager CPU step (offload_optimizer): the update of a parameter is known as soon as its
         # last gradient is on the host when nothing global changes it (no clipping, no loss
         # scale), so the worker steps it while backward still runs on earlier layers
-        self.eager = (self.offload_opt and not config.fp16.enabled
+        # delayed parameter update (DPU, opt-in; see optimizer_step): replaces the eager step
+        oo = zero.offload_optimizer
+        self.delayed = bool(self.offload_opt and getattr(oo, "delayed_update", False))
+        self.delay_warmup = int(getattr(oo, "delayed_update_warmup", 0) or 0)
+        self.steps_done = 0
+        self.eager = (self.offload_opt and not self.delayed and not config.fp16.enabled
                       and not float(config.gradient_clipping or 0) > 0)
-        if self.offload_opt and getattr(zero.offload_optimizer, "delayed_update", False):
-            warn_once("zero_optimization.offload_optimizer.delayed_update is implemented for "
-                      "ZeRO stages 1-2 only; stage 3 ignores it and applies every update "
-                      "exactly (its CPU step already overlaps backward when there is no "
-                      "clipping and no fp16)")
 
         # 1. decide which parameters stay whole, partition (or adopt) the others
         threshold = int(zero.param_persistence_threshold)
@@ -110,7 +112,9 @@ class Stage3Strategy(ZeroStrategy):
             overlap_comm=bool(zero.overlap_comm), comm_dtype=comm, predivide=self.predivide,
             # persistent masters stay on the device even under offload_optimizer: they are
             # small, and one inner optimizer steps them together with the CPU masters
-            offload_device=None, frozen=whole_frozen)
+            offload_device=None, frozen=whole_frozen,
+            # DPU: their weights lag their masters by one step, so the two must be apart
+            separate_masters=self.delayed)
 
         # 3. masters of the partitioned trainable parameters, one flat buffer per group
         self.trainable: List[List[torch.nn.Parameter]] = [
@@ -121,23 +125,38 @@ class Stage3Strategy(ZeroStrategy):
         self.piece: Dict[int, torch.Tensor] = {}
         self.grad_of: Dict[int, torch.Tensor] = {}
         """fp32 gradient partition of each partitioned parameter (a view into flat_grad)."""
+        # DPU steps one window's gradients in the background while the next window writes
+        # its own: a second set of gradient partitions, swapped at every delayed step
+        self._spare_grads: tuple = ([], {})
         for params in self.trainable:
             total = sum(p.sw_meta.own_len for p in params)
             master = alloc_host(total, self.master_device, self.pin_opt)
-            grad = alloc_host(total, self.master_device, self.pin_opt)
+            grads = [alloc_host(total, self.master_device, self.pin_opt)
+                     for _ in range(2 if self.delayed else 1)]
             off = 0
             for p in params:
                 meta = p.sw_meta
                 view = master[off:off + meta.own_len]
                 view.copy_(meta.shard[:meta.own_len])
-                view.grad = grad[off:off + meta.own_len]
-                off += meta.own_len
+                view.grad = grads[0][off:off + meta.own_len]
                 if meta.own_len:
                     self.piece[id(p)] = view
                     self.grad_of[id(p)] = view.grad
+                    if self.delayed:
+                        self._spare_grads[1][id(p)] = grads[1][off:off + meta.own_len]
+                off += meta.own_len
                 meta.on_modified = self._refresh_master
             self.flat_master.append(master)
-            self.flat_grad.append(grad)
+            self.flat_grad.append(grads[0])
+            if self.delayed:
+                self._spare_grads[0].append(grads[1])
+        self._bg: Optional[Future] = None
+        """The background (delayed) step of the last boundary, not yet applied."""
+        self._bg_hidden: List[tuple] = []
+        self._delayed_pending = False
+        """A delayed update sits in the masters but not yet in the weights."""
+        self._delayed_now = False
+        self._bg_pool = cpu_step_pool("shardwise-dpu") if self.delayed else None
 
         # 4. hooks: gradients, module gather schedule, state_dict
         self._pending: List[tuple] = []
@@ -180,6 +199,11 @@ class Stage3Strategy(ZeroStrategy):
         log_dist(f"ZeRO stage 3: {n_part} partitioned parameters over {self.world} ranks, "
                  f"{sum(persistent.values())} persistent; params on {self.shard_device}, "
                  f"masters on {self.master_device}", ranks=[0])
+        if self.delayed:
+            spare = sum(g.numel() for g in self._spare_grads[0]) * 4
+            log_dist(f"ZeRO stage 3: delayed parameter update after {self.delay_warmup} "
+                     f"step(s); a second set of host gradient partitions holds "
+                     f"{spare / 2**30:.2f} GiB on this rank", ranks=[0])
 
     def _partition(self, p: torch.nn.Parameter) -> None:
         if P.is_partitioned(p):
@@ -342,8 +366,62 @@ class Stage3Strategy(ZeroStrategy):
             for g in self.flat_grad:
                 if g.numel():
                     g.mul_(factor.to(g.device))
-        # scales the persistent parameters' gradients too, then runs inner.step() once
-        self.whole.optimizer_step(inner, factor)
+        self._delayed_now = self.delayed and self.steps_done >= self.delay_warmup
+        self.steps_done += 1
+        if not self._delayed_now:
+            if self.delayed:
+                self._attach_piece_grads(self.grad_of)
+            # scales the persistent parameters' gradients too, then runs inner.step() once
+            self.whole.optimizer_step(inner, factor)
+            return
+        self._delayed_step(inner, factor)
+
+    # --- delayed parameter update (DPU) ----------------------------------------------------
+    def _delayed_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
+        """Step t's update starts in the background and reaches the weights at step t+1's
+        boundary, so the CPU work overlaps step t+1's forward and backward: with masters w
+        and the weights the model computes with p, ``w[t+1] = w[t] - u(g(p[t]))`` where
+        ``p[t] = w[t-1]`` (ZeRO-Offload, section 4.3). Every parameter is one step stale,
+        persistent ones included: their (small) device step runs here, but their weights are
+        written only when the partitioned ones are."""
+        self._apply_delayed()  # the update of step t-1 into the weights: they become w[t]
+        self._attach_piece_grads(None)
+        self.whole.optimizer_step(inner, factor)  # persistent masters only (pieces have no grad)
+        self._attach_piece_grads(self.grad_of)
+        self._bg_hidden = [(m, m.grad) for group in self.whole.master_param_groups()
+                           for m in group]
+        for m, _ in self._bg_hidden:
+            m.grad = None
+        # the scheduler changes the rates as soon as the engine's step returns: a snapshot
+        self._bg = self._bg_pool.submit(detached_step(inner))
+        self._delayed_pending = True
+        # the next window accumulates into the other partitions while this one is stepped
+        spare_flat, spare_of = self._spare_grads
+        self._spare_grads = (self.flat_grad, self.grad_of)
+        self.flat_grad, self.grad_of = spare_flat, spare_of
+
+    def _attach_piece_grads(self, grad_of: Optional[Dict[int, torch.Tensor]]) -> None:
+        for pid, piece in self.piece.items():
+            piece.grad = None if grad_of is None else grad_of[pid]
+
+    def _wait_delayed(self) -> None:
+        if self._bg is None:
+            return
+        bg, self._bg = self._bg, None
+        bg.result()
+        for m, g in self._bg_hidden:
+            m.grad = g
+        self._bg_hidden = []
+        self._attach_piece_grads(None)
+
+    def _apply_delayed(self) -> None:
+        """Finish the background step and write its result into the weights."""
+        self._wait_delayed()
+        if not self._delayed_pending:
+            return
+        self._delayed_pending = False
+        self._write_shards(skip=set())
+        self.whole.after_step(True)
 
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
         self._inner = inner
@@ -364,6 +442,8 @@ class Stage3Strategy(ZeroStrategy):
             self._eager_window = False
 
     def flush(self) -> None:
+        """Bring a pending delayed update into the weights (before saving or evaluating)."""
+        self._apply_delayed()
         self.whole.flush()
 
     def after_step(self, applied: bool) -> None:
@@ -371,17 +451,23 @@ class Stage3Strategy(ZeroStrategy):
             return
         self._acc.wait()
         self.coordinator.sweep()
-        written = self._stepped if self.offload_param else set()
+        if self._delayed_now:
+            return  # written at the next boundary (or by flush), one step late by design
+        self._write_shards(skip=self._stepped if self.offload_param else set())
+        self._stepped = set()
+        self.whole.after_step(applied)
+
+    def _write_shards(self, skip: Set[int]) -> None:
+        """The updated masters into the compute-dtype shards (but those in ``skip``, which an
+        eager step already wrote)."""
         if self.offload_param:
             P.sync_fetches()  # no copy to the device may still read a shard we overwrite
         with torch.no_grad():
             for params in self.trainable:
                 for p in params:
                     piece = self.piece.get(id(p))
-                    if piece is not None and id(p) not in written:
+                    if piece is not None and id(p) not in skip:
                         p.sw_meta.shard[:piece.numel()].copy_(piece, non_blocking=True)
-        self._stepped = set()
-        self.whole.after_step(applied)
         if self.offload_opt and not self.offload_param and self.device.type == "cuda":
             # the shards were DMA'd from the pinned masters, which the next CPU step rewrites
             torch.cuda.current_stream(self.device).synchronize()
@@ -402,6 +488,7 @@ class Stage3Strategy(ZeroStrategy):
 
     # --- checkpoint contract -------------------------------------------------------------
     def shard_views(self) -> List[ShardView]:
+        self.flush()
         views = []
         for p in [p for params in self.trainable for p in params] + self.frozen_parts:
             meta = p.sw_meta
@@ -411,6 +498,7 @@ class Stage3Strategy(ZeroStrategy):
         return views + self.whole.shard_views()
 
     def refresh_after_load(self, weights_only: bool = False) -> None:
+        self.flush()
         self._acc.wait()
         self.coordinator.sweep()
         if self.offload_param:
@@ -496,6 +584,9 @@ class Stage3Strategy(ZeroStrategy):
                 P.release(p)
 
     def remove_hooks(self) -> None:
+        self.flush()
+        if self._bg_pool is not None:
+            self._bg_pool.shutdown(wait=True)
         self._acc.close()
         for h in self._grad_hooks + self._sd_hooks:
             h.remove()
