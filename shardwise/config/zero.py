@@ -40,8 +40,9 @@ class OffloadOptimizerConfig(ConfigModel):
     """Fraction of optimizer states offloaded (the rest stay on the accelerator). DeepSpeed
     allows < 1.0 with stage 3 only."""
     delayed_update: bool = False
-    """Ours: ZeRO-Offload's one-step delayed parameter update (DPU): the CPU step of step t
-    overlaps forward/backward of step t+1, so parameters lag one step."""
+    """Ours: ZeRO-Offload's one-step delayed parameter update (DPU), stages 1-3: the CPU step
+    of step t overlaps forward/backward of step t+1, so parameters lag one step. Stage 3 keeps
+    a second set of host gradient partitions for it (4 bytes per parameter over the ranks)."""
     delayed_update_warmup: int = Field(0, ge=0)
     """Ours: optimizer steps run without delay before DPU starts (early steps change most)."""
 

@@ -63,7 +63,11 @@ class OptimizerOffload:
         self._futures: List[Future] = []
         self._eager_order: List[Bucket] = []
         self._grad_events: dict = {}
-        self._h2d_event: Optional[torch.cuda.Event] = None
+        self._h2d_events: dict = {}
+        """Per bucket: the last host-to-device copy that reads its masters. A CPU step waits
+        only for its own buckets' copies: waiting for the latest copy of any bucket chained
+        every eager step behind the previous bucket's copy, which itself waits for the
+        compute stream (measured: 115 ms idle, then ~14 ms per bucket instead of ~10)."""
         largest = max((b.hi - b.lo for b in self.buckets), default=0)
         # one buffer suffices: every copy and cast runs in order on the side stream
         self._staging = (torch.empty(min(largest, STAGING_ELEMS), dtype=torch.float32,
@@ -125,10 +129,11 @@ class OptimizerOffload:
     # --- 2. the CPU step ------------------------------------------------------------------------
     def _step_buckets(self, step: Callable[[], None], buckets: Sequence[Bucket],
                       prescale: Optional[float]) -> None:
-        if self._h2d_event is not None:
-            self._h2d_event.synchronize()  # the last host-to-device copy still reads the masters
         masters = []
         for b in buckets:
+            copy = self._h2d_events.get(b.index)
+            if copy is not None:
+                copy.synchronize()  # the previous copy to the device still reads these masters
             event = self._grad_events.get(b.index)
             if event is not None:
                 event.synchronize()
@@ -205,8 +210,10 @@ class OptimizerOffload:
                         staging = self._staging[:hi - lo]
                         staging.copy_(b.master[lo:hi], non_blocking=True)
                         b.param_buf[b.lo + lo:b.lo + hi].copy_(staging)
-                self._h2d_event = torch.cuda.Event()
-                self._h2d_event.record(self.stream)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                for b in buckets:
+                    self._h2d_events[b.index] = done
             current.wait_stream(self.stream)  # the next forward reads what was just written
 
     def flush(self) -> None:
@@ -215,7 +222,8 @@ class OptimizerOffload:
             self.wait_tasks()
             self._copy_params_to_device()
             if self.cuda:
-                self._h2d_event.synchronize()
+                for done in set(self._h2d_events.values()):
+                    done.synchronize()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
