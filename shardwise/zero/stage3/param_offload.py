@@ -31,6 +31,7 @@ import torch
 from ...accelerator import get_accelerator
 from ...offload.cpu_worker import cpu_step_pool
 
+
 def alloc_host(numel: int, device: torch.device, pin: bool) -> torch.Tensor:
     """A zeroed fp32 buffer on ``device``; pinned when it is host memory and pinning helps."""
     t = torch.zeros(numel, dtype=torch.float32, device=device)

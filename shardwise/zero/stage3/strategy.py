@@ -31,13 +31,13 @@ import torch.distributed as dist
 
 from ...comm import reduce_scatter_flat
 from ...errors import ConfigError, ZeroError
+from ...offload.cpu_worker import cpu_step_pool, detached_step
 from ...utils.logging import log_dist
 from ..data_parallel import DataParallelStrategy
 from ..shard_view import ShardView
 from ..strategy import ZeroStrategy
 from . import partition as P
 from .hooks import ParamCoordinator
-from ...offload.cpu_worker import cpu_step_pool, detached_step
 from .param_offload import HostGradAccumulator, alloc_host
 
 
@@ -73,14 +73,14 @@ class Stage3Strategy(ZeroStrategy):
         cpu = torch.device("cpu")
         self.shard_device = cpu if self.offload_param else self.device
         self.master_device = cpu if self.offload_opt else self.device
-        # eager CPU step (offload_optimizer): the update of a parameter is known as soon as its
-        # last gradient is on the host when nothing global changes it (no clipping, no loss
-        # scale), so the worker steps it while backward still runs on earlier layers
-        # delayed parameter update (DPU, opt-in; see optimizer_step): replaces the eager step
+        # delayed parameter update (DPU, opt-in; see _delayed_step): replaces the eager step
         oo = zero.offload_optimizer
         self.delayed = bool(self.offload_opt and getattr(oo, "delayed_update", False))
         self.delay_warmup = int(getattr(oo, "delayed_update_warmup", 0) or 0)
         self.steps_done = 0
+        # eager CPU step (offload_optimizer): the update of a parameter is known as soon as its
+        # last gradient is on the host when nothing global changes it (no clipping, no loss
+        # scale), so the worker steps it while backward still runs on earlier layers
         self.eager = (self.offload_opt and not self.delayed and not config.fp16.enabled
                       and not float(config.gradient_clipping or 0) > 0)
 
