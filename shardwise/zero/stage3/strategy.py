@@ -151,10 +151,8 @@ class Stage3Strategy(ZeroStrategy):
             if self.delayed:
                 self._spare_grads[0].append(grads[1])
         self._bg: Optional[Future] = None
-        """The background (delayed) step of the last boundary, not yet applied."""
+        """The background (delayed) step of the last boundary, not yet in the weights."""
         self._bg_hidden: List[tuple] = []
-        self._delayed_pending = False
-        """A delayed update sits in the masters but not yet in the weights."""
         self._delayed_now = False
         self._bg_pool = cpu_step_pool("shardwise-dpu") if self.delayed else None
 
@@ -394,7 +392,6 @@ class Stage3Strategy(ZeroStrategy):
             m.grad = None
         # the scheduler changes the rates as soon as the engine's step returns: a snapshot
         self._bg = self._bg_pool.submit(detached_step(inner))
-        self._delayed_pending = True
         # the next window accumulates into the other partitions while this one is stepped
         spare_flat, spare_of = self._spare_grads
         self._spare_grads = (self.flat_grad, self.grad_of)
@@ -404,7 +401,8 @@ class Stage3Strategy(ZeroStrategy):
         for pid, piece in self.piece.items():
             piece.grad = None if grad_of is None else grad_of[pid]
 
-    def _wait_delayed(self) -> None:
+    def _apply_delayed(self) -> None:
+        """Finish the background step and write its result into the weights."""
         if self._bg is None:
             return
         bg, self._bg = self._bg, None
@@ -413,13 +411,6 @@ class Stage3Strategy(ZeroStrategy):
             m.grad = g
         self._bg_hidden = []
         self._attach_piece_grads(None)
-
-    def _apply_delayed(self) -> None:
-        """Finish the background step and write its result into the weights."""
-        self._wait_delayed()
-        if not self._delayed_pending:
-            return
-        self._delayed_pending = False
         self._write_shards(skip=set())
         self.whole.after_step(True)
 
