@@ -8,6 +8,7 @@ over one more optimizer step.
 
     python benchmarks/profile_step.py --zero z3_offload --grad-accum 4
     python benchmarks/profile_step.py --zero z2_offload --grad-accum 4 --memory-snapshot out/
+    python benchmarks/profile_step.py --zero z3_offload_dpu --grad-accum 4 --gaps
     python benchmarks/profile_step.py --device cpu --layers 2 --hidden 64 --intermediate 128 \
         --heads 4 --kv-heads 2 --vocab 256 --seq 64 --micro-batch 2 --zero z3
 """
@@ -75,6 +76,9 @@ def main() -> None:
     p.add_argument("--timeline", default="", metavar="PATTERNS",
                    help="comma-separated op-name fragments (e.g. _fused_adamw,EventSynchronize) "
                         "whose host-side spans are printed in time order with the phases")
+    p.add_argument("--gaps", action="store_true",
+                   help="after the profiled step, print each CUDA stream's busy time and the "
+                        "compute stream's largest idle gaps (trace_gaps.py)")
     p.add_argument("--memory-snapshot", type=Path, default=None, metavar="DIR",
                    help="instead of timing: record GPU allocations from before the model is "
                         "built through two optimizer steps, write snapshot.pickle and "
@@ -114,7 +118,8 @@ def main() -> None:
             t2 = time.perf_counter()
             with record_function(f"phase: micro {i} step"):
                 engine.step()
-            synchronize(device)
+            if timed:  # free-running steps overlap the micro steps as training does
+                synchronize(device)
             t3 = time.perf_counter()
             rows.append((t1 - t0, t2 - t1, t3 - t2))
         return rows
@@ -141,6 +146,16 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
     if args.trace is not None:
         prof.export_chrome_trace(str(args.trace))
+    if args.gaps and device.type == "cuda":
+        import json
+        import tempfile
+
+        import trace_gaps
+        with tempfile.TemporaryDirectory() as tmp:
+            path = args.trace or Path(tmp) / "trace.json"
+            if args.trace is None:
+                prof.export_chrome_trace(str(path))
+            print(trace_gaps.summarize(json.loads(Path(path).read_text())))
     if args.timeline:
         print_timeline(prof, args.timeline.split(","))
 

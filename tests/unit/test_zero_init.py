@@ -119,6 +119,37 @@ def test_forward_gathers_and_external_parameter() -> None:
     coord.remove()
 
 
+@pytest.mark.parametrize("offload_param", [True, False])
+def test_modification_during_a_pending_delayed_update_wins(offload_param: bool) -> None:
+    """ZeRO-3 DPU: GatheredParameters(modifier_rank=0) while step t's update still runs in the
+    background. The edit must survive the pending update reaching the weights (with
+    offload_param that update sits in the spare shards, swapped in at the next boundary)."""
+    import shardwise
+    from shardwise.zero import GatheredParameters
+    zero = {"stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "cpu", "delayed_update": True}}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    cfg = engine_config(3, 2, 1, 0.0, 1e-2, zero_optimization=zero)
+    engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
+    for x, y in global_batches(3, 2):
+        engine.backward(engine(x, y))
+        engine.step()
+    w = engine.module.fc2.weight
+    assert engine.strategy._bg is not None, "no delayed update pending: the test tests nothing"
+    with GatheredParameters(w, modifier_rank=0):
+        w.data.fill_(0.25)
+    view = next(v for v in engine.shard_views() if v.name == "fc2.weight")  # applies pending
+    assert torch.all(view.master == 0.25), view.master
+    assert torch.all(_full(engine.module)["fc2.weight"] == 0.25)
+    others = _full(engine.module)["fc1.weight"]
+    x, y = global_batches(1, 2)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.shard_views()  # this step's update is pending too (one step late by design)
+    assert not torch.equal(_full(engine.module)["fc1.weight"], others), "training stopped"
+
+
 def test_init_rejects_nvme() -> None:
     from shardwise.errors import ConfigError
     from shardwise.zero import Init

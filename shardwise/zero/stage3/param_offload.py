@@ -63,11 +63,15 @@ class HostGradAccumulator:
                               if self.copies else None)
 
     def sumsq(self) -> torch.Tensor:
-        """Sum of squares of every ``final=True`` result since ``reset_sumsq`` (call after
-        :meth:`wait`)."""
+        """Sum of squares of every ``final=True`` result since ``reset_sumsq`` (a device
+        tensor, ordered after the side stream's work; host results need :meth:`wait` first)."""
+        if self.asynchronous and not self.copies:
+            self.wait()  # the worker measures host gradients as it adds them
         host = torch.tensor(sum(self._sumsq_host), dtype=torch.float32)
         if self._sumsq_device is None:
             return host.to(self.device)
+        # written on the side stream: the reader's stream waits for it there, not the host
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return self._sumsq_device + host.to(self.device)
 
     # --- adding ------------------------------------------------------------------------------
@@ -102,10 +106,11 @@ class HostGradAccumulator:
             if final:
                 # the final gradient passes through the device anyway: measure it here
                 self._sumsq_device.add_(torch.dot(wide.reshape(-1), wide.reshape(-1)).float())
-            done = torch.cuda.Event()
-            done.record(self.stream)
+            done = torch.cuda.Event() if after is not None else None
+            if done is not None:
+                done.record(self.stream)
         src.record_stream(self.stream)
-        if after is not None:
+        if done is not None:
             self.submit(_after_event, done, after)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -117,6 +122,22 @@ class HostGradAccumulator:
         fut = self.pool.submit(fn, *args)
         self._futures.append(fut)
         return fut
+
+    def fence(self) -> Callable[[], None]:
+        """A callable that blocks until everything queued so far is done, for another thread
+        to wait on (the caller's thread goes on without waiting)."""
+        event = None
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        futures = list(self._futures)
+
+        def wait() -> None:
+            if event is not None:
+                event.synchronize()
+            for fut in futures:
+                fut.result()
+        return wait
 
     def wait(self) -> None:
         """Block until every queued copy, add and task is done (re-raising their errors)."""

@@ -81,6 +81,9 @@ class Stage3Strategy(ZeroStrategy):
         # eager CPU step (offload_optimizer): the update of a parameter is known as soon as its
         # last gradient is on the host when nothing global changes it (no clipping, no loss
         # scale), so the worker steps it while backward still runs on earlier layers
+        self._fp16 = bool(config.fp16.enabled)
+        self._grads_in_flight = False
+        """master_grads left the boundary's last copies in flight for the delayed step."""
         self.eager = (self.offload_opt and not self.delayed and not config.fp16.enabled
                       and not float(config.gradient_clipping or 0) > 0)
 
@@ -152,6 +155,17 @@ class Stage3Strategy(ZeroStrategy):
                 self._spare_grads[0].append(grads[1])
         self._bg: Optional[Future] = None
         """The background (delayed) step of the last boundary, not yet in the weights."""
+        # DPU with host shards: the background step also writes its result, into a second
+        # set of shards swapped in at the next boundary (the step's critical path then holds
+        # no pass over the model on the CPU); shards on the device are written at the swap
+        self._spare_shards: Dict[int, torch.Tensor] = {}
+        if self.delayed and self.offload_param:
+            for params in self.trainable:
+                for p in params:
+                    if id(p) in self.piece:
+                        shard = p.sw_meta.shard
+                        self._spare_shards[id(p)] = P.place_shard(shard, shard.device,
+                                                                  shard.dtype, self.pin_param)
         self._bg_hidden: List[tuple] = []
         self._delayed_now = False
         self._bg_pool = cpu_step_pool("shardwise-dpu") if self.delayed else None
@@ -199,8 +213,10 @@ class Stage3Strategy(ZeroStrategy):
                  f"masters on {self.master_device}", ranks=[0])
         if self.delayed:
             spare = sum(g.numel() for g in self._spare_grads[0]) * 4
+            spare += sum(t.numel() * t.element_size() for t in self._spare_shards.values())
             log_dist(f"ZeRO stage 3: delayed parameter update after {self.delay_warmup} "
-                     f"step(s); a second set of host gradient partitions holds "
+                     f"step(s); a second set of host gradient partitions"
+                     f"{' and parameter shards' if self._spare_shards else ''} holds "
                      f"{spare / 2**30:.2f} GiB on this rank", ranks=[0])
 
     def _partition(self, p: torch.nn.Parameter) -> None:
@@ -284,20 +300,20 @@ class Stage3Strategy(ZeroStrategy):
                 final = self._boundary and self.offload_opt
                 first = id(p) not in self._written
                 self._written.add(id(p))
+                if final:
+                    self._final.add(id(p))
                 self._acc.add_into(self.grad_of[id(p)], out[:p.sw_meta.own_len], first, final,
-                                   self._finalizer(p) if final else None)
+                                   self._finalizer(p) if final and self._eager_window else None)
 
     # --- host-side work after a parameter's last gradient (runs on the worker) -------------
     def _finalizer(self, p: torch.nn.Parameter):
+        """The eager step's bookkeeping once ``p``'s last gradient is on the host."""
         def run() -> None:
-            g = self.grad_of[id(p)]
-            self._final.add(id(p))
-            if self._eager_window:
-                self._ready.append(p)
-                self._ready_elems += g.numel()
-                if self._ready_elems >= self.reduce_bucket // 10:
-                    self._step_pieces(self._ready)
-                    self._ready, self._ready_elems = [], 0
+            self._ready.append(p)
+            self._ready_elems += self.grad_of[id(p)].numel()
+            if self._ready_elems >= self.reduce_bucket // 10:
+                self._step_pieces(self._ready)
+                self._ready, self._ready_elems = [], 0
         return run
 
     def _step_pieces(self, params: List[torch.nn.Parameter]) -> None:
@@ -328,7 +344,12 @@ class Stage3Strategy(ZeroStrategy):
     # --- step -----------------------------------------------------------------------------
     def master_grads(self) -> List[torch.Tensor]:
         self._drain()
-        self._acc.wait()
+        # a delayed step reads the gradients in the background, after waiting for their last
+        # copies itself (_delayed_step): the boundary does not wait for the copy stream's tail
+        # unless the loss scaler's overflow check must read them now
+        self._grads_in_flight = self._next_step_delayed() and not self._fp16
+        if not self._grads_in_flight:
+            self._acc.wait()
         for pid, g in self.grad_of.items():
             if pid not in self._written:
                 g.zero_()  # no gradient in this window (a skipped module)
@@ -341,8 +362,10 @@ class Stage3Strategy(ZeroStrategy):
         if not self.offload_opt:
             return super().grad_norms(grads)
         n_host = sum(1 for g in self.flat_grad if g.numel())
-        rest = sum(float(torch.dot(g, g)) for pid, g in self.grad_of.items()
-                   if pid not in self._final)
+        rest_ids = [pid for pid in self.grad_of if pid not in self._final]
+        if rest_ids and self._grads_in_flight:
+            self._acc.wait()  # a parameter without a boundary gradient is measured on the host
+        rest = sum(float(torch.dot(self.grad_of[pid], self.grad_of[pid])) for pid in rest_ids)
         total = self._acc.sumsq() + rest
         return [total.sqrt()] + super().grad_norms(grads[n_host:])
 
@@ -360,12 +383,12 @@ class Stage3Strategy(ZeroStrategy):
             self.whole.optimizer_step(inner, factor)
             self._restore_hidden(pieces=True)
             return
-        if factor is not None:
+        self._delayed_now = self._next_step_delayed()
+        self.steps_done += 1
+        if factor is not None and not self._delayed_now:
             for g in self.flat_grad:
                 if g.numel():
                     g.mul_(factor.to(g.device))
-        self._delayed_now = self.delayed and self.steps_done >= self.delay_warmup
-        self.steps_done += 1
         if not self._delayed_now:
             if self.delayed:
                 self._attach_piece_grads(self.grad_of)
@@ -391,11 +414,38 @@ class Stage3Strategy(ZeroStrategy):
         for m, _ in self._bg_hidden:
             m.grad = None
         # the scheduler changes the rates as soon as the engine's step returns: a snapshot
-        self._bg = self._bg_pool.submit(detached_step(inner))
+        step = detached_step(inner)
+        grads = [g for g in self.flat_grad if g.numel()]
+        writes = [(self.piece[pid], spare) for pid, spare in self._spare_shards.items()]
+        grads_ready = self._acc.fence()
+        factor_ready = None
+        if factor is not None and factor.device.type == "cuda":
+            factor_ready = torch.cuda.Event()
+            factor_ready.record(torch.cuda.current_stream(factor.device))
+
+        def background() -> None:
+            # waiting for the last gradient copies, reading the factor (which may depend on
+            # the norm), the multiply and the write into the spare shards all block or pass
+            # over the whole model: here they overlap the next window, not the boundary
+            grads_ready()
+            if factor is not None:
+                if factor_ready is not None:
+                    factor_ready.synchronize()
+                scale = factor.to(self.master_device)
+                for g in grads:
+                    g.mul_(scale)
+            step()
+            with torch.no_grad():
+                for piece, spare in writes:
+                    spare[:piece.numel()].copy_(piece)
+        self._bg = self._bg_pool.submit(background)
         # the next window accumulates into the other partitions while this one is stepped
         spare_flat, spare_of = self._spare_grads
         self._spare_grads = (self.flat_grad, self.grad_of)
         self.flat_grad, self.grad_of = spare_flat, spare_of
+
+    def _next_step_delayed(self) -> bool:
+        return self.delayed and self.steps_done >= self.delay_warmup
 
     def _attach_piece_grads(self, grad_of: Optional[Dict[int, torch.Tensor]]) -> None:
         for pid, piece in self.piece.items():
@@ -411,8 +461,22 @@ class Stage3Strategy(ZeroStrategy):
             m.grad = g
         self._bg_hidden = []
         self._attach_piece_grads(None)
-        self._write_shards(skip=set())
+        if self._spare_shards:
+            self._swap_shards()
+        else:
+            self._write_shards(skip=set())
         self.whole.after_step(True)
+
+    def _swap_shards(self) -> None:
+        """The shards the background step wrote become the weights; the others (no copy to
+        the device may still read them) receive the next background step's result."""
+        P.sync_fetches()
+        for params in self.trainable:
+            for p in params:
+                spare = self._spare_shards.get(id(p))
+                if spare is not None:
+                    meta = p.sw_meta
+                    meta.shard, self._spare_shards[id(p)] = spare, meta.shard
 
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
         self._inner = inner
@@ -440,10 +504,11 @@ class Stage3Strategy(ZeroStrategy):
     def after_step(self, applied: bool) -> None:
         if not applied:
             return
+        if self._delayed_now:
+            self.coordinator.sweep()
+            return  # written at the next boundary (or by flush), one step late by design
         self._acc.wait()
         self.coordinator.sweep()
-        if self._delayed_now:
-            return  # written at the next boundary (or by flush), one step late by design
         self._write_shards(skip=self._stepped if self.offload_param else set())
         self._stepped = set()
         self.whole.after_step(applied)
@@ -469,8 +534,10 @@ class Stage3Strategy(ZeroStrategy):
             self._restore_hidden(pieces=False)
             self._restore_hidden(pieces=True)
         # nothing to clear: each partition's first gradient of the next window overwrites it
-        # (master_grads zeroes those that get none)
-        self._acc.wait()
+        # (master_grads zeroes those that get none); the copy stream runs in order, so the
+        # next window's copies follow a delayed step's still in flight
+        if not self._delayed_now:
+            self._acc.wait()
         self._written = set()
         for params in self.trainable:
             for p in params:
@@ -514,9 +581,18 @@ class Stage3Strategy(ZeroStrategy):
     # --- GatheredParameters(modifier_rank=...) support ---------------------------------
     def _refresh_master(self, p: torch.nn.Parameter) -> None:
         piece = self.piece.get(id(p))
-        if piece is not None:
-            with torch.no_grad():
-                piece.copy_(p.sw_meta.shard[:piece.numel()])
+        if piece is None:
+            return
+        with torch.no_grad():
+            own = p.sw_meta.shard[:piece.numel()]
+            if self._bg is not None:
+                # a delayed update is still pending: it reaches every weight first (it would
+                # otherwise overwrite the edit at the next boundary), then the edit wins
+                edited = own.clone()
+                self.flush()
+                own = p.sw_meta.shard[:piece.numel()]  # the shards may have been swapped
+                own.copy_(edited)
+            piece.copy_(own)
 
     def _refresh_whole(self, p: torch.nn.Parameter) -> None:
         bucket, slot = self.whole._slot_of[p]
