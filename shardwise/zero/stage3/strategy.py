@@ -78,13 +78,13 @@ class Stage3Strategy(ZeroStrategy):
         self.delayed = bool(self.offload_opt and getattr(oo, "delayed_update", False))
         self.delay_warmup = int(getattr(oo, "delayed_update_warmup", 0) or 0)
         self.steps_done = 0
-        # eager CPU step (offload_optimizer): the update of a parameter is known as soon as its
-        # last gradient is on the host when nothing global changes it (no clipping, no loss
-        # scale), so the worker steps it while backward still runs on earlier layers
         self._fp16 = bool(config.fp16.enabled)
         self._grads_in_flight = False
         """master_grads left the boundary's last copies in flight for the delayed step."""
-        self.eager = (self.offload_opt and not self.delayed and not config.fp16.enabled
+        # eager CPU step (offload_optimizer): the update of a parameter is known as soon as its
+        # last gradient is on the host when nothing global changes it (no clipping, no loss
+        # scale), so the worker steps it while backward still runs on earlier layers
+        self.eager = (self.offload_opt and not self.delayed and not self._fp16
                       and not float(config.gradient_clipping or 0) > 0)
 
         # 1. decide which parameters stay whole, partition (or adopt) the others
