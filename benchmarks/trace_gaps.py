@@ -110,8 +110,7 @@ def summarize(trace: Dict[str, Any], top: int = 12, min_gap_us: float = 200.0) -
             # waited on a dependency (an event of another stream, a copy)
             launch, tid = launched.get(corr, (end, None))
             cause = "host late" if launch > end else "waited"
-            gaps.append((a - end, end, before, name, cause, launch,
-                         _culprit(host.get(tid, []), end, a)))
+            gaps.append((a - end, end, before, name, cause, launch, tid, a))
         if b > end:
             end, before = b, name
     idle = window - compute.busy_us()
@@ -122,7 +121,8 @@ def summarize(trace: Dict[str, Any], top: int = 12, min_gap_us: float = 200.0) -
     if gaps:
         lines.append(f"{'at ms':>9} {'gap ms':>8}  {'cause':9}  phase that launched the next "
                      "kernel / kernel before -> after / host op covering the gap")
-    for gap, at, before, after, cause, launch, culprit in sorted(gaps, reverse=True)[:top]:
+    for gap, at, before, after, cause, launch, tid, resumed in sorted(gaps, key=lambda g: -g[0])[:top]:
+        culprit = _culprit(host.get(tid, []), at, resumed)  # only for the gaps printed
         lines.append(f"{(at - lo) / 1e3:9.1f} {gap / 1e3:8.2f}  {cause:9}  "
                      f"{_phase_at(phases, launch)} / {before[:40]} -> {after[:40]} / {culprit}")
     return "\n".join(lines)

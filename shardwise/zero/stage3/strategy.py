@@ -79,8 +79,6 @@ class Stage3Strategy(ZeroStrategy):
         self.delay_warmup = int(getattr(oo, "delayed_update_warmup", 0) or 0)
         self.steps_done = 0
         self._fp16 = bool(config.fp16.enabled)
-        self._grads_in_flight = False
-        """master_grads left the boundary's last copies in flight for the delayed step."""
         # eager CPU step (offload_optimizer): the update of a parameter is known as soon as its
         # last gradient is on the host when nothing global changes it (no clipping, no loss
         # scale), so the worker steps it while backward still runs on earlier layers
@@ -347,8 +345,7 @@ class Stage3Strategy(ZeroStrategy):
         # a delayed step reads the gradients in the background, after waiting for their last
         # copies itself (_delayed_step): the boundary does not wait for the copy stream's tail
         # unless the loss scaler's overflow check must read them now
-        self._grads_in_flight = self._next_step_delayed() and not self._fp16
-        if not self._grads_in_flight:
+        if not self._grads_in_flight():
             self._acc.wait()
         for pid, g in self.grad_of.items():
             if pid not in self._written:
@@ -363,7 +360,7 @@ class Stage3Strategy(ZeroStrategy):
             return super().grad_norms(grads)
         n_host = sum(1 for g in self.flat_grad if g.numel())
         rest_ids = [pid for pid in self.grad_of if pid not in self._final]
-        if rest_ids and self._grads_in_flight:
+        if rest_ids and self._grads_in_flight():
             self._acc.wait()  # a parameter without a boundary gradient is measured on the host
         rest = sum(float(torch.dot(self.grad_of[pid], self.grad_of[pid])) for pid in rest_ids)
         total = self._acc.sumsq() + rest
@@ -446,6 +443,11 @@ class Stage3Strategy(ZeroStrategy):
 
     def _next_step_delayed(self) -> bool:
         return self.delayed and self.steps_done >= self.delay_warmup
+
+    def _grads_in_flight(self) -> bool:
+        """Between master_grads and the step: the boundary's last gradient copies are left in
+        flight for the delayed step to wait for."""
+        return self._next_step_delayed() and not self._fp16
 
     def _attach_piece_grads(self, grad_of: Optional[Dict[int, torch.Tensor]]) -> None:
         for pid, piece in self.piece.items():
