@@ -9,6 +9,7 @@ over one more optimizer step.
     python benchmarks/profile_step.py --zero z3_offload --grad-accum 4
     python benchmarks/profile_step.py --zero z2_offload --grad-accum 4 --memory-snapshot out/
     python benchmarks/profile_step.py --zero z3_offload_dpu --grad-accum 4 --gaps
+    python benchmarks/profile_step.py --zero z3_offload_dpu --grad-accum 4 --sample --no-profiler
     python benchmarks/profile_step.py --device cpu --layers 2 --hidden 64 --intermediate 128 \
         --heads 4 --kv-heads 2 --vocab 256 --seq 64 --micro-batch 2 --zero z3
 """
@@ -79,6 +80,11 @@ def main() -> None:
     p.add_argument("--gaps", action="store_true",
                    help="after the profiled step, print each CUDA stream's busy time and the "
                         "compute stream's largest idle gaps (trace_gaps.py)")
+    p.add_argument("--sample", action="store_true",
+                   help="run --steps more free-running steps while sampling every thread's "
+                        "Python stack (stack_sampler.py): which shardwise code each thread's "
+                        "wall time is in, without the torch profiler's per-operator cost")
+    p.add_argument("--no-profiler", action="store_true", help="skip the torch profiler step")
     p.add_argument("--memory-snapshot", type=Path, default=None, metavar="DIR",
                    help="instead of timing: record GPU allocations from before the model is "
                         "built through two optimizer steps, write snapshot.pickle and "
@@ -135,6 +141,18 @@ def main() -> None:
         print(f"step {s}: free-running {untimed:.3f} s; phases (synced) {total:.3f} s")
         for i, (f, b, st) in enumerate(rows):
             print(f"  micro {i}: forward {f:.3f}  backward {b:.3f}  step {st:.3f}")
+
+    if args.sample:
+        from stack_sampler import StackSampler
+        with StackSampler() as sampler:
+            for _ in range(args.steps):
+                one_step(False)
+            synchronize(device)
+        print(f"sampled: {args.steps} free-running steps, "
+              f"{sampler.seconds / max(args.steps, 1):.3f} s each")
+        print(sampler.summary())
+    if args.no_profiler:
+        return
 
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

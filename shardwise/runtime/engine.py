@@ -54,6 +54,8 @@ class ShardwiseEngine(torch.nn.Module):
         self.skipped_steps = 0
         self._step_applied = False
         self._global_grad_norm: Optional[torch.Tensor] = None
+        self._norm_ready: Any = None
+        """Set when the norm was summed on a side stream: ``wait()`` before reading it."""
         self._in_no_sync = False
         self._autocast_dtype = (config.torch_autocast.dtype if config.torch_autocast.enabled
                                 else None)
@@ -211,13 +213,21 @@ class ShardwiseEngine(torch.nn.Module):
         if self.loss_scaler is not None:
             inv /= self.loss_scaler.cur_scale
         clip = float(self.config.gradient_clipping or 0.0)
-        norms = [n.to(self.device) for n in self.strategy.grad_norms(grads)]
-        sumsq = (torch.stack(norms).square().sum() if norms
-                 else torch.zeros((), device=self.device))
-        if self.strategy.grads_partitioned and self.world_size > 1:
-            dist.all_reduce(sumsq, group=self.dp_group)
-        norm = sumsq.sqrt() * inv
+        # a norm the step does not depend on is only reported: the strategy may sum it on a
+        # side stream, off the path of the next window's kernels
+        side = (self.strategy.side_norm_stream()
+                if clip <= 0 and self.loss_scaler is None else None)
+        norms = [n.to(self.device) for n in self.strategy.grad_norms(grads, in_order=side is None)]
+        with side if side is not None else contextlib.nullcontext() as ready:
+            if ready is not None:
+                ready.keep(norms)
+            sumsq = (torch.stack(norms).square().sum() if norms
+                     else torch.zeros((), device=self.device))
+            if self.strategy.grads_partitioned and self.world_size > 1:
+                dist.all_reduce(sumsq, group=self.dp_group)
+            norm = sumsq.sqrt() * inv
         self._global_grad_norm = norm
+        self._norm_ready = ready
         if clip > 0:
             return inv * torch.clamp(clip / (norm + 1e-6), max=1.0)
         if inv != 1.0:
@@ -229,7 +239,11 @@ class ShardwiseEngine(torch.nn.Module):
         return self._step_applied
 
     def get_global_grad_norm(self) -> Optional[float]:
-        return float(self._global_grad_norm) if self._global_grad_norm is not None else None
+        if self._global_grad_norm is None:
+            return None
+        if self._norm_ready is not None:
+            self._norm_ready.wait()  # summed on a side stream (see _grad_factor)
+        return float(self._global_grad_norm)
 
     def get_lr(self) -> List[float]:
         if self.optimizer is None:

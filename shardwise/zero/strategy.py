@@ -14,7 +14,7 @@ One training step, as the engine drives it::
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import ContextManager, List, Optional
 
 import torch
 
@@ -53,11 +53,22 @@ class ZeroStrategy:
         """Wait for the reductions; return the fp32 gradient buffers of this rank's masters."""
         raise NotImplementedError
 
-    def grad_norms(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    def grad_norms(self, grads: List[torch.Tensor], in_order: bool = True) -> List[torch.Tensor]:
         """Local L2 norms whose squares sum to this rank's squared gradient norm (``grads``
         is what ``master_grads`` returned). A strategy that already measured its gradients
-        (e.g. on the host, as they arrived) returns those norms instead of re-reading them."""
+        (e.g. on the host, as they arrived) returns those norms instead of re-reading them.
+        With ``in_order=False`` a norm may still be in the making on the stream of
+        :meth:`side_norm_stream`, to be read only inside that context."""
         return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads if g.numel()]
+
+    def side_norm_stream(self) -> Optional[ContextManager]:
+        """A context that runs its block on a side stream, for a global norm that the step
+        does not depend on (no clipping, no loss scale); None to compute it in stream order
+        as usual. A strategy whose gradients finish on a side stream returns that stream,
+        so the next window's kernels do not queue behind its tail. The context yields an
+        object with ``keep(tensors)`` (tensors of the compute stream read in the block) and
+        ``wait()`` (block the host until the block's work is done)."""
+        return None
 
     def optimizer_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
         """Multiply the master gradients by ``factor`` (None: leave them) and step ``inner``."""

@@ -138,3 +138,40 @@ def test_large_pinned_blocks_are_not_rounded_up() -> None:
     assert t.is_pinned()
     grown = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
     assert nbytes <= grown < (128 << 20), grown
+
+
+def _stage3_offload_norms(cfg: dict, steps: int) -> list:
+    """get_global_grad_norm() after each step of a one-process stage-3 run."""
+    import shardwise
+    from tests.distributed._parity import global_batches, make_model
+    engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
+    micro, ga = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+    norms = []
+    for x, y in global_batches(steps, micro * ga):
+        for k in range(ga):
+            engine.backward(engine(x[k * micro:(k + 1) * micro], y[k * micro:(k + 1) * micro]))
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+    engine.destroy()
+    return norms
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_cuda_stage3_offload_norm_summed_beside_the_copies_is_the_norm(delayed: bool) -> None:
+    """Without clipping the step does not read the norm, so stage 3 with offload sums it on
+    the copy stream (off the compute stream's path); it must equal the norm computed in
+    stream order (clip 1e6: never clips, same update) and, at the first step, torch's."""
+    from tests.distributed._parity import global_batches, make_model
+    torch.backends.cuda.matmul.allow_tf32 = False
+    offload = {"offload_param": {"device": "cpu", "pin_memory": True},
+               "offload_optimizer": {"device": "cpu", "pin_memory": True,
+                                     "delayed_update": delayed},
+               "stage3_param_persistence_threshold": 0}
+    side = _stage3_offload_norms(engine_config(3, 2, 2, 0.0, 1e-2, zero_optimization=offload), 4)
+    in_order = _stage3_offload_norms(engine_config(3, 2, 2, 1e6, 1e-2, zero_optimization=offload), 4)
+    assert side == pytest.approx(in_order, rel=1e-5)
+    model = make_model()
+    x, y = global_batches(1, 4)[0]
+    model(x, y).backward()
+    first = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    assert side[0] == pytest.approx(first, rel=1e-4)

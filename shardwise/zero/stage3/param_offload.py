@@ -23,8 +23,9 @@ ordering.
 """
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
@@ -59,20 +60,44 @@ class HostGradAccumulator:
     # --- squared norm of the final gradients -----------------------------------------------
     def reset_sumsq(self) -> None:
         self._sumsq_host = []
-        self._sumsq_device = (torch.zeros((), dtype=torch.float32, device=self.device)
-                              if self.copies else None)
+        self._sumsq_device = None
+        if self.copies:
+            # made and written on the side stream: its memory belongs to that stream's pool
+            with torch.cuda.stream(self.stream):
+                self._sumsq_device = torch.zeros((), dtype=torch.float32, device=self.device)
 
     def sumsq(self) -> torch.Tensor:
         """Sum of squares of every ``final=True`` result since ``reset_sumsq`` (a device
         tensor, ordered after the side stream's work; host results need :meth:`wait` first)."""
         if self.asynchronous and not self.copies:
             self.wait()  # the worker measures host gradients as it adds them
-        host = torch.tensor(sum(self._sumsq_host), dtype=torch.float32)
+        host = sum(self._sumsq_host)
         if self._sumsq_device is None:
-            return host.to(self.device)
+            return torch.tensor(host, dtype=torch.float32).to(self.device)
         # written on the side stream: the reader's stream waits for it there, not the host
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        return self._sumsq_device + host.to(self.device)
+        # (and the host part is added as a Python number: copying a host tensor to the
+        # device would block the host until the reader's stream drained)
+        reader = torch.cuda.current_stream(self.device)
+        if reader != self.stream:
+            reader.wait_stream(self.stream)
+            self._sumsq_device.record_stream(reader)
+        return self._sumsq_device + host
+
+    @contextlib.contextmanager
+    def on_side_stream(self) -> Iterator["SideWork"]:
+        """Run the block on the copy stream, after what the compute stream queued so far:
+        work that reads the final gradients then waits for their copies there, and the
+        compute stream does not queue behind them. Yields a :class:`SideWork` whose
+        ``wait()`` blocks the host until the block's work is done."""
+        work = SideWork(self.stream)
+        if self.stream is None:
+            yield work
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield work
+            work.event = torch.cuda.Event()
+            work.event.record(self.stream)
 
     # --- adding ------------------------------------------------------------------------------
     def add_into(self, dst: torch.Tensor, src: torch.Tensor, overwrite: bool, final: bool = False,
@@ -151,6 +176,27 @@ class HostGradAccumulator:
         if self.pool is not None:
             self.wait()
             self.pool.shutdown(wait=True)
+
+
+class SideWork:
+    """Work queued on a side stream (None: none, it ran in order)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.event: Any = None
+
+    def keep(self, tensors: List[torch.Tensor]) -> None:
+        """``tensors`` (made on another stream) are read on the side stream: their memory is
+        not reused before it has read them."""
+        if self.stream is not None:
+            for t in tensors:
+                if t.device.type == "cuda":
+                    t.record_stream(self.stream)
+
+    def wait(self) -> None:
+        """Block the host until the side stream has done the block's work."""
+        if self.event is not None:
+            self.event.synchronize()
 
 
 def _accumulate(event: Optional[Any], dst: torch.Tensor, src: torch.Tensor, overwrite: bool) -> None:

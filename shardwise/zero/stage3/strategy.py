@@ -23,6 +23,7 @@ parameters (fewer than ``param_persistence_threshold`` elements) stay whole on e
 """
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future
 from typing import Dict, List, Optional, Sequence, Set
 
@@ -353,9 +354,10 @@ class Stage3Strategy(ZeroStrategy):
                 self._written.add(pid)
         return [g for g in self.flat_grad if g.numel()] + self.whole.master_grads()
 
-    def grad_norms(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    def grad_norms(self, grads: List[torch.Tensor], in_order: bool = True) -> List[torch.Tensor]:
         """Host partitions: the norms the worker took as each gradient became final (a
-        parameter that got no gradient on the boundary micro step is measured here)."""
+        parameter that got no gradient on the boundary micro step is measured here).
+        Out of order, their total is summed on the copy stream, behind the last copies."""
         if not self.offload_opt:
             return super().grad_norms(grads)
         n_host = sum(1 for g in self.flat_grad if g.numel())
@@ -363,8 +365,16 @@ class Stage3Strategy(ZeroStrategy):
         if rest_ids and self._grads_in_flight():
             self._acc.wait()  # a parameter without a boundary gradient is measured on the host
         rest = sum(float(torch.dot(self.grad_of[pid], self.grad_of[pid])) for pid in rest_ids)
-        total = self._acc.sumsq() + rest
-        return [total.sqrt()] + super().grad_norms(grads[n_host:])
+        whole = super().grad_norms(grads[n_host:])
+        side = self.side_norm_stream() if not in_order else None
+        with side if side is not None else contextlib.nullcontext():
+            host_part = (self._acc.sumsq() + rest).sqrt()
+        return [host_part] + whole
+
+    def side_norm_stream(self):
+        """The copy stream, where the boundary's last gradients are still travelling: a norm
+        that the step does not need is summed there, behind them (None without copies)."""
+        return self._acc.on_side_stream() if self._acc.stream is not None else None
 
     def optimizer_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
         """Scale the fp32 gradient partitions by the engine's factor and step the masters."""
