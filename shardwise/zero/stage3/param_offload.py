@@ -8,7 +8,8 @@ as a prefetch), so fetching a module costs one host-to-device copy of this rank'
 :class:`HostGradAccumulator` moves each reduced gradient chunk there during backward
 without ever blocking the thread that runs backward, and without CPU arithmetic:
 
-1. on a side stream, the first gradient of a window is widened to fp32 on the device and
+1. on a side stream (one of two; each partition always on the same one), the first
+   gradient of a window is widened to fp32 on the device and
    DMA'd straight into the pinned fp32 partition (no zeroing pass needed);
 2. later micro steps bring the partition back to the device, add the new gradient there
    and DMA the sum back (what DeepSpeed calls accumulating "via the GPU"): an add on the
@@ -25,12 +26,16 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from ...accelerator import get_accelerator
 from ...offload.cpu_worker import cpu_step_pool
+
+
+COPY_STREAMS = 2
+"""Side streams for the gradient round trips (see HostGradAccumulator.streams)."""
 
 
 def alloc_host(numel: int, device: torch.device, pin: bool) -> torch.Tensor:
@@ -51,41 +56,56 @@ class HostGradAccumulator:
         self.device = torch.device(device)
         self.asynchronous = torch.device(master_device).type == "cpu"
         self.copies = self.asynchronous and self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=self.device) if self.copies else None
+        # two copy streams, each partition always on the same one: one stream runs its copy
+        # in, add and copy back in order, so alone it never overlaps a copy back with the
+        # next gradient's copy in; two keep both copy directions busy
+        self.streams = ([torch.cuda.Stream(device=self.device) for _ in range(COPY_STREAMS)]
+                        if self.copies else [])
+        self._stream_of: Dict[int, int] = {}
+        """Partition data pointer -> its stream: a partition's adds stay in order."""
         self.pool = cpu_step_pool("shardwise-grads") if self.asynchronous else None
         self._futures: List[Future] = []
         self._sumsq_host: List[float] = []
-        self._sumsq_device: Optional[torch.Tensor] = None
+        self._sumsq_device: List[torch.Tensor] = []
+        """One running sum per copy stream (each written only by its own stream)."""
 
     # --- squared norm of the final gradients -----------------------------------------------
     def reset_sumsq(self) -> None:
         self._sumsq_host = []
-        self._sumsq_device = None
-        if self.copies:
-            # made and written on the side stream: its memory belongs to that stream's pool
-            with torch.cuda.stream(self.stream):
-                self._sumsq_device = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._sumsq_device = []
+        for stream in self.streams:
+            # made and written on its copy stream: its memory belongs to that stream's pool
+            with torch.cuda.stream(stream):
+                self._sumsq_device.append(torch.zeros((), dtype=torch.float32, device=self.device))
+
+    @property
+    def stream(self) -> Any:
+        """The copy stream that side work runs on (after the other one), None without copies."""
+        return self.streams[0] if self.streams else None
 
     def sumsq(self) -> torch.Tensor:
         """Sum of squares of every ``final=True`` result since ``reset_sumsq`` (a device
-        tensor, ordered after the side stream's work; host results need :meth:`wait` first)."""
+        tensor, ordered after the copy streams' work; host results need :meth:`wait` first)."""
         if self.asynchronous and not self.copies:
             self.wait()  # the worker measures host gradients as it adds them
         host = sum(self._sumsq_host)
-        if self._sumsq_device is None:
+        if not self.streams:
             return torch.tensor(host, dtype=torch.float32).to(self.device)
-        # written on the side stream: the reader's stream waits for it there, not the host
+        # written on the copy streams: the reader's stream waits for them there, not the host
         # (and the host part is added as a Python number: copying a host tensor to the
         # device would block the host until the reader's stream drained)
         reader = torch.cuda.current_stream(self.device)
-        if reader != self.stream:
-            reader.wait_stream(self.stream)
-            self._sumsq_device.record_stream(reader)
-        return self._sumsq_device + host
+        total = None
+        for stream, part in zip(self.streams, self._sumsq_device):
+            if reader != stream:
+                reader.wait_stream(stream)
+                part.record_stream(reader)
+            total = part + host if total is None else total + part
+        return total
 
     @contextlib.contextmanager
     def on_side_stream(self) -> Iterator["SideWork"]:
-        """Run the block on the copy stream, after what the compute stream queued so far:
+        """Run the block on a copy stream, after what the compute stream queued so far:
         work that reads the final gradients then waits for their copies there, and the
         compute stream does not queue behind them. Yields a :class:`SideWork` whose
         ``wait()`` blocks the host until the block's work is done."""
@@ -119,8 +139,10 @@ class HostGradAccumulator:
             if after is not None:
                 self.submit(after)
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        index = self._stream_of.setdefault(dst.data_ptr(), len(self._stream_of) % len(self.streams))
+        stream = self.streams[index]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             if overwrite:
                 wide = src if src.dtype == dst.dtype else src.to(dst.dtype)
             else:
@@ -130,11 +152,12 @@ class HostGradAccumulator:
             dst.copy_(wide, non_blocking=True)
             if final:
                 # the final gradient passes through the device anyway: measure it here
-                self._sumsq_device.add_(torch.dot(wide.reshape(-1), wide.reshape(-1)).float())
+                self._sumsq_device[index].add_(
+                    torch.dot(wide.reshape(-1), wide.reshape(-1)).float())
             done = torch.cuda.Event() if after is not None else None
             if done is not None:
-                done.record(self.stream)
-        src.record_stream(self.stream)
+                done.record(stream)
+        src.record_stream(stream)
         if done is not None:
             self.submit(_after_event, done, after)
 
@@ -151,14 +174,14 @@ class HostGradAccumulator:
     def fence(self) -> Callable[[], None]:
         """A callable that blocks until everything queued so far is done, for another thread
         to wait on (the caller's thread goes on without waiting)."""
-        event = None
-        if self.stream is not None:
-            event = torch.cuda.Event()
-            event.record(self.stream)
+        events = []
+        for stream in self.streams:
+            events.append(torch.cuda.Event())
+            events[-1].record(stream)
         futures = list(self._futures)
 
         def wait() -> None:
-            if event is not None:
+            for event in events:
                 event.synchronize()
             for fut in futures:
                 fut.result()
@@ -166,8 +189,8 @@ class HostGradAccumulator:
 
     def wait(self) -> None:
         """Block until every queued copy, add and task is done (re-raising their errors)."""
-        if self.stream is not None:
-            self.stream.synchronize()
+        for stream in self.streams:
+            stream.synchronize()
         futures, self._futures = self._futures, []
         for fut in futures:
             fut.result()
