@@ -198,19 +198,25 @@ class ParamCoordinator:
         not fully started (where the next prefetch in this direction resumes)."""
         budget = self.prefetch_elems
         live = P.live_numel()
+        batch: Dict[int, torch.nn.Parameter] = {}  # started together: one stream wait, one event
+        resume = positions[-1] + (1 if positions.step > 0 else -1) if len(positions) else start
         for i in positions:
-            if budget <= 0:
-                return i
+            full = budget <= 0
             for p in self.params_of(trace[i]):
                 meta = p.sw_meta
-                if meta.status != P.RELEASED:
+                if full or meta.status != P.RELEASED or id(p) in batch:
                     continue
                 if live + meta.padded > self.max_live or budget <= 0:
-                    return i
-                P.start_gather(p)
+                    full = True
+                    continue
+                batch[id(p)] = p
                 live += meta.padded
                 budget -= meta.padded
-        return positions[-1] + (1 if positions.step > 0 else -1) if len(positions) else start
+            if full:
+                resume = i
+                break
+        P.start_gathers(batch.values())
+        return resume
 
     def sweep(self) -> None:
         """Release every gathered parameter that no forward or context is using."""

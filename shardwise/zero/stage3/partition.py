@@ -200,52 +200,72 @@ def sync_fetches() -> None:
 
 
 def start_gather(p: torch.nn.Parameter) -> None:
-    """Launch the all-gather of ``p`` (asynchronous where the backend allows).
+    """Launch the all-gather of ``p`` (asynchronous where the backend allows)."""
+    start_gathers([p])
 
-    Under ``offload_param`` on CUDA the shard's copy to the device runs on a side stream, so
+
+def start_gathers(params: Iterable[torch.nn.Parameter]) -> None:
+    """Launch the all-gathers of ``params`` (asynchronous where the backend allows).
+
+    Under ``offload_param`` on CUDA the shards' copies to the device run on a side stream, so
     a prefetch overlaps the compute of the modules before it; the compute stream waits for
-    the copy's event only when the parameter is used (``wait_gather``) or dropped.
+    the copies' event only when a parameter is used (``wait_gather``) or dropped. One batch
+    shares one stream wait and one event: the host cost of a fetch is then its copy call.
     """
-    meta: PartitionedParam = p.sw_meta
-    if meta.status != RELEASED:
-        return
-    if meta.full is None:
-        meta.full = torch.empty(meta.padded, dtype=meta.shard.dtype, device=meta.compute_device)
-    storage = meta.full.untyped_storage()
-    nbytes = meta.padded * meta.full.element_size()
-    if storage.size() < nbytes:
-        # allocated on the compute stream: its earlier uses of this memory come first there
-        storage.resize_(nbytes)
-    src = meta.shard
-    meta.work = None
-    if src.device != meta.compute_device and meta.compute_device.type == "cuda":
-        # offload_param: the copy waits only for what the compute stream queued so far (the
-        # release of the memory it reuses), then runs beside the compute
-        compute = torch.cuda.current_stream(meta.compute_device)
-        fetch = _fetch_stream(meta.compute_device)
-        fetch.wait_stream(compute)
-        dst = meta.full
+    side: List[torch.nn.Parameter] = []
+    for p in params:
+        meta: PartitionedParam = p.sw_meta
+        if meta.status != RELEASED:
+            continue  # already gathered, or earlier in this batch (a tied weight)
+        if meta.full is None:
+            meta.full = torch.empty(meta.padded, dtype=meta.shard.dtype, device=meta.compute_device)
+        storage = meta.full.untyped_storage()
+        nbytes = meta.padded * meta.full.element_size()
+        if storage.size() < nbytes:
+            # allocated on the compute stream: its earlier uses of this memory come first there
+            storage.resize_(nbytes)
+        meta.work = None
+        if meta.shard.device != meta.compute_device and meta.compute_device.type == "cuda":
+            side.append(p)
+        elif meta.world == 1:
+            meta.full.copy_(meta.shard)
+        else:
+            src = meta.shard
+            if src.device != meta.compute_device:
+                meta.staging = src.to(meta.compute_device)
+                src = meta.staging
+            meta.work = all_gather_flat(meta.full, src, group=meta.group, async_op=True)
+        meta.status = INFLIGHT
+        _LIVE[id(p)] = p
+        _LIVE_NUMEL[0] += meta.padded
+    if side:
+        _fetch_to_device(side)
+
+
+def _fetch_to_device(params: List[torch.nn.Parameter]) -> None:
+    """offload_param on CUDA: the copies wait only for what the compute stream queued so far
+    (the release of the memory they reuse), then run beside the compute."""
+    device = params[0].sw_meta.compute_device
+    compute = torch.cuda.current_stream(device)
+    fetch = _fetch_stream(device)
+    fetch.wait_stream(compute)
+    with torch.cuda.stream(fetch):
+        for p in params:
+            meta = p.sw_meta
+            dst = meta.full
+            if meta.world > 1:
+                meta.staging = torch.empty(meta.chunk, dtype=meta.shard.dtype, device=device)
+                dst = meta.staging
+            dst.copy_(meta.shard, non_blocking=True)
+        fetched = torch.cuda.Event()
+        fetched.record(fetch)
+    for p in params:
+        meta = p.sw_meta
+        meta.fetched = fetched
         if meta.world > 1:
-            meta.staging = torch.empty(meta.chunk, dtype=src.dtype, device=meta.compute_device)
-            dst = meta.staging
-        with torch.cuda.stream(fetch):
-            dst.copy_(src, non_blocking=True)
-            meta.fetched = torch.cuda.Event()
-            meta.fetched.record(fetch)
-        if meta.world > 1:
-            compute.wait_event(meta.fetched)
+            compute.wait_event(fetched)
             meta.fetched = None
             meta.work = all_gather_flat(meta.full, meta.staging, group=meta.group, async_op=True)
-    elif meta.world == 1:
-        meta.full.copy_(src)
-    else:
-        if src.device != meta.compute_device:
-            meta.staging = src.to(meta.compute_device)
-            src = meta.staging
-        meta.work = all_gather_flat(meta.full, src, group=meta.group, async_op=True)
-    meta.status = INFLIGHT
-    _LIVE[id(p)] = p
-    _LIVE_NUMEL[0] += meta.padded
 
 
 def _finish_inflight(meta: "PartitionedParam") -> None:
@@ -272,8 +292,7 @@ def wait_gather(p: torch.nn.Parameter) -> None:
 def gather(params: Iterable[torch.nn.Parameter]) -> None:
     """Gather every partitioned parameter in ``params``: launch all, then wait for all."""
     todo = [p for p in params if is_partitioned(p)]
-    for p in todo:
-        start_gather(p)
+    start_gathers(todo)
     for p in todo:
         wait_gather(p)
 
