@@ -115,6 +115,8 @@ def test_forward_gathers_and_external_parameter() -> None:
         model(x)  # the parent reads a released weight: an error, never silent garbage
     register_external_parameter(model, model.emb.weight)
     assert torch.allclose(model(x), expected)
+    with torch.no_grad():  # (with gradients the last module's weights stay for backward)
+        assert torch.allclose(model(x), expected)
     assert model.emb.weight.numel() == 0
     coord.remove()
 

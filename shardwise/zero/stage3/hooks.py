@@ -12,6 +12,12 @@
   gathers the parameters again (and prefetches the modules before it in forward order).
   Each parameter is released again as soon as its gradient is accumulated (autograd runs a
   leaf's accumulation once, after all its uses), the rest when backward ends.
+- **The two turns.** The last modules of forward are the first of backward, and the first
+  modules of forward come right after backward (the next micro step). Their parameters are
+  kept gathered across each turn (up to ``prefetch_bucket_size`` elements, at least one
+  module: the lm_head and the embedding of a language model), so neither turn waits for a
+  fetch that no prefetch could have started earlier. Across an optimizer step nothing is
+  kept: the weights change there.
 - Nothing assumes that backward follows forward: ``eval()``/``no_grad`` forwards (e.g.
   ``model.generate()``) gather and release in the forward hooks only.
 
@@ -21,7 +27,7 @@ collectives in the same order.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, Iterable, List, Optional, Set
 
 import torch
 
@@ -90,6 +96,12 @@ class ParamCoordinator:
         self.trace_cur: List[torch.nn.Module] = []
         self._keep: List[Set[int]] = []
         """Per position of ``trace_prev``: ids of parameters reused soon after it."""
+        self.head: Set[int] = set()
+        """Ids of the parameters the first modules of ``trace_prev`` use: kept gathered from
+        the end of backward into the next forward."""
+        self.tail: Set[int] = set()
+        """Ids of the parameters the last modules of ``trace_prev`` use: kept gathered from
+        the end of a forward that records gradients into its backward."""
         self._valid = False
         """The current forward has followed ``trace_prev`` so far."""
         self._stack: List[int] = []
@@ -139,7 +151,9 @@ class ParamCoordinator:
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         pos = self._stack.pop() if self._stack else -1
         params = self.params_of(module)
-        keep = self._keep[pos] if self._valid and 0 <= pos < len(self._keep) else ()
+        keep = self._keep[pos] if self._valid and 0 <= pos < len(self._keep) else set()
+        if self._valid and torch.is_grad_enabled():
+            keep = keep | self.tail  # backward starts with these
         for p in params:
             meta = p.sw_meta
             meta.active = max(0, meta.active - 1)
@@ -161,12 +175,30 @@ class ParamCoordinator:
         return _substitute(output, {id(t): w for t, w in zip(unique, wrapped)})
 
     def _end_forward(self) -> None:
+        followed = self._valid and len(self.trace_cur) == len(self.trace_prev)
         self.trace_prev = self.trace_cur
-        self._keep = self._reuse_table(self.trace_prev)
+        if not followed:  # the tables depend on the order only: rebuilt when it changed
+            self._keep = self._reuse_table(self.trace_prev)
+            self.head = self._edge(self.trace_prev)
+            self.tail = self._edge(self.trace_prev[::-1])
         self._stack.clear()
         self._in_root = False
         self._behind = None
-        self.sweep()
+        self.sweep(keep=self.tail if followed and torch.is_grad_enabled() else ())
+
+    def _edge(self, modules: List[torch.nn.Module]) -> Set[int]:
+        """Parameters of the first ``modules`` up to the prefetch budget (at least one
+        module's, however large)."""
+        ids: Set[int] = set()
+        total = 0
+        for m in modules:
+            params = [p for p in self.params_of(m) if id(p) not in ids]
+            numel = sum(p.sw_meta.padded for p in params)
+            if ids and total + numel > self.prefetch_elems:
+                break
+            ids.update(id(p) for p in params)
+            total += numel
+        return ids
 
     def _reuse_table(self, trace: List[torch.nn.Module]) -> List[Set[int]]:
         """For each position, the parameters whose next use is within max_reuse_distance."""
@@ -218,10 +250,12 @@ class ParamCoordinator:
         P.start_gathers(batch.values())
         return resume
 
-    def sweep(self) -> None:
-        """Release every gathered parameter that no forward or context is using."""
+    def sweep(self, keep: Iterable[int] = ()) -> None:
+        """Release every gathered parameter that no forward or context is using (but those
+        whose id is in ``keep``)."""
+        keep = set(keep)
         for p in P.live_params():
-            if p.sw_meta.active == 0:
+            if p.sw_meta.active == 0 and id(p) not in keep:
                 P.release(p)
 
     def remove(self) -> None:

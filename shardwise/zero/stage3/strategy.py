@@ -279,13 +279,17 @@ class Stage3Strategy(ZeroStrategy):
             self._pending_elems += meta.padded
             if self._pending_elems > self._drain_elems:
                 self._drain(keep_last=1 if self.world > 1 else 0)
-        if meta.active == 0:
+        if meta.active == 0 and not self._kept_for_next_forward(p):
             P.release(p)
 
     def _drop_grad(self, p: torch.nn.Parameter) -> None:
         p.grad = None
-        if p.sw_meta.active == 0:
+        if p.sw_meta.active == 0 and not self._kept_for_next_forward(p):
             P.release(p)
+
+    def _kept_for_next_forward(self, p: torch.nn.Parameter) -> bool:
+        """The next forward starts with ``p`` and no step comes between: it stays gathered."""
+        return not self._boundary and id(p) in self.coordinator.head
 
     def _drain(self, keep_last: int = 0) -> None:
         """Wait for queued reductions and hand them to the fp32 gradient partitions (on the
@@ -337,7 +341,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def after_backward(self, boundary: bool) -> None:
         self._drain()
-        self.coordinator.sweep()
+        self.coordinator.sweep(keep=() if boundary else self.coordinator.head)
         self.whole.after_backward(boundary)
 
     # --- step -----------------------------------------------------------------------------
@@ -469,6 +473,7 @@ class Stage3Strategy(ZeroStrategy):
             return
         bg, self._bg = self._bg, None
         bg.result()
+        self.coordinator.sweep()  # nothing kept gathered may outlive the weights it copies
         for m, g in self._bg_hidden:
             m.grad = g
         self._bg_hidden = []
