@@ -118,6 +118,15 @@ def summarize(trace: Dict[str, Any], top: int = 12, min_gap_us: float = 200.0) -
     lines.append(f"compute stream {compute_id}: idle {idle / 1e3:.1f} ms of {window / 1e3:.1f} "
                  f"({100 * idle / window:.1f}%); {len(gaps)} gaps >= {min_gap_us / 1e3:.1f} ms "
                  f"hold {sum(g[0] for g in gaps) / 1e3:.1f} ms, {late / 1e3:.1f} of it host late")
+    by_phase: Dict[str, Dict[str, float]] = {}
+    for gap, _, _, _, cause, launch, _, _ in gaps:
+        # "micro 2 backward" -> "backward": where in the step, summed over micro steps
+        kind = _phase_at(phases, launch).split(" ")[-1]
+        by_phase.setdefault(kind, {"host late": 0.0, "waited": 0.0})[cause] += gap
+    if by_phase:
+        lines.append(f"{'phase':>12} {'host late ms':>13} {'waited ms':>10}")
+        for kind, causes in sorted(by_phase.items(), key=lambda kv: -sum(kv[1].values())):
+            lines.append(f"{kind:>12} {causes['host late'] / 1e3:13.1f} {causes['waited'] / 1e3:10.1f}")
     if gaps:
         lines.append(f"{'at ms':>9} {'gap ms':>8}  {'cause':9}  phase that launched the next "
                      "kernel / kernel before -> after / host op covering the gap")

@@ -60,6 +60,9 @@ def test_gaps_are_ranked_and_told_apart_by_when_the_kernel_was_launched() -> Non
     assert first.endswith("/ aten::item (1.4 ms)")  # the innermost op covering the gap
     assert "1.00  waited" in second and "micro 0 forward / gemm_a -> gemm_b" in second
     assert second.endswith("/ -")  # the host ran no op then
+    # summed by phase kind (micro index dropped), biggest first
+    table = lines[lines.index(next(line for line in lines if "host late ms" in line)) + 1:][:2]
+    assert [row.split() for row in table] == [["step", "1.6", "0.0"], ["forward", "0.0", "1.0"]]
 
 
 def test_a_trace_without_device_events_says_so() -> None:
