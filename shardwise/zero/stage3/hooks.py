@@ -102,9 +102,15 @@ class ParamCoordinator:
         self.tail: Set[int] = set()
         """Ids of the parameters the last modules of ``trace_prev`` use: kept gathered from
         the end of a forward that records gradients into its backward."""
+        self._trace_params: List[List[torch.nn.Parameter]] = []
+        """``params_of`` each module of ``trace_prev``, for the prefetch to walk. Taken when
+        the order was recorded: a parameter replaced since would only cost a useless
+        prefetch (gathers use the module's current parameters)."""
+        self._params_trace: Optional[List[torch.nn.Module]] = None
         self._valid = False
         """The current forward has followed ``trace_prev`` so far."""
-        self._stack: List[int] = []
+        self._stack: List[tuple] = []
+        """(trace position, parameters) of each module whose forward is running."""
         self._in_root = False
         self._ahead = 0
         """Trace positions below this one were already prefetched in this forward (or, in
@@ -139,8 +145,8 @@ class ParamCoordinator:
             self.trace_cur.append(module)
             if self._valid and (pos >= len(self.trace_prev) or self.trace_prev[pos] is not module):
                 self._valid = False  # the model took another path: stop predicting this pass
-        self._stack.append(pos)
         params = self.params_of(module)
+        self._stack.append((pos, params))  # the post-forward hook releases the same list
         for p in params:
             p.sw_meta.active += 1
         P.gather(params)
@@ -149,8 +155,7 @@ class ParamCoordinator:
             self._ahead = self._prefetch(self.trace_prev, range(start, len(self.trace_prev)), start)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        pos = self._stack.pop() if self._stack else -1
-        params = self.params_of(module)
+        pos, params = self._stack.pop() if self._stack else (-1, self.params_of(module))
         keep = self._keep[pos] if self._valid and 0 <= pos < len(self._keep) else set()
         if self._valid and torch.is_grad_enabled():
             keep = keep | self.tail  # backward starts with these
@@ -166,6 +171,10 @@ class ParamCoordinator:
         return output
 
     def _wrap_outputs(self, module: torch.nn.Module, pos: int, output: Any) -> Any:
+        if torch.is_tensor(output):  # the common case (a Linear): no walk over a structure
+            if not (output.requires_grad and output.is_floating_point()):
+                return output
+            return _PreBackward.apply(self, module, pos, self.trace_cur, output)[0]
         tensors: List[torch.Tensor] = []
         _collect(output, tensors)
         if not tensors:
@@ -178,9 +187,11 @@ class ParamCoordinator:
         followed = self._valid and len(self.trace_cur) == len(self.trace_prev)
         self.trace_prev = self.trace_cur
         if not followed:  # the tables depend on the order only: rebuilt when it changed
+            self._trace_params = [self.params_of(m) for m in self.trace_prev]
             self._keep = self._reuse_table(self.trace_prev)
             self.head = self._edge(self.trace_prev)
             self.tail = self._edge(self.trace_prev[::-1])
+        self._params_trace = self.trace_prev  # the trace _trace_params describes
         self._stack.clear()
         self._in_root = False
         self._behind = None
@@ -232,9 +243,10 @@ class ParamCoordinator:
         live = P.live_numel()
         batch: Dict[int, torch.nn.Parameter] = {}  # started together: one stream wait, one event
         resume = positions[-1] + (1 if positions.step > 0 else -1) if len(positions) else start
+        cached = self._trace_params if trace is self._params_trace else None
         for i in positions:
             full = budget <= 0
-            for p in self.params_of(trace[i]):
+            for p in (cached[i] if cached is not None else self.params_of(trace[i])):
                 meta = p.sw_meta
                 if full or meta.status != P.RELEASED or id(p) in batch:
                     continue
