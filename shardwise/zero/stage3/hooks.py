@@ -156,13 +156,13 @@ class ParamCoordinator:
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         pos, params = self._stack.pop() if self._stack else (-1, self.params_of(module))
-        keep = self._keep[pos] if self._valid and 0 <= pos < len(self._keep) else set()
-        if self._valid and torch.is_grad_enabled():
-            keep = keep | self.tail  # backward starts with these
+        keep = self._keep[pos] if self._valid and 0 <= pos < len(self._keep) else ()
+        # backward starts with the tail's parameters
+        tail = self.tail if self._valid and torch.is_grad_enabled() else ()
         for p in params:
             meta = p.sw_meta
             meta.active = max(0, meta.active - 1)
-            if meta.active == 0 and id(p) not in keep:
+            if meta.active == 0 and id(p) not in keep and id(p) not in tail:
                 P.release(p)
         if torch.is_grad_enabled() and (params or module is self.root):
             output = self._wrap_outputs(module, pos, output)
