@@ -51,6 +51,9 @@ class PartitionedParam:
     """The placeholder ``.data`` while released (numel 0, compute dtype and device)."""
     full: Optional[torch.Tensor] = field(repr=False, default=None)
     """Padded gather buffer (``chunk · world``); its storage has 0 bytes while released."""
+    gathered: Optional[torch.Tensor] = field(repr=False, default=None)
+    """``full[:numel]`` in the parameter's shape: made with ``full``, it follows the storage
+    as that is released and refilled, so a gather only points ``.data`` at it."""
     status: str = RELEASED
     work: Any = field(repr=False, default=None)
     staging: Optional[torch.Tensor] = field(repr=False, default=None)
@@ -162,7 +165,7 @@ def adopt(p: torch.nn.Parameter, *, shard_device: torch.device, compute_device: 
         meta.shard = place_shard(meta.shard, shard_device, dtype, pin)
     meta.compute_device = torch.device(compute_device)
     meta.empty = torch.empty(0, dtype=dtype, device=compute_device)
-    meta.full = None
+    meta.full = meta.gathered = None
     p.data = meta.empty
     return meta
 
@@ -219,6 +222,7 @@ def start_gathers(params: Iterable[torch.nn.Parameter]) -> None:
             continue  # already gathered, or earlier in this batch (a tied weight)
         if meta.full is None:
             meta.full = torch.empty(meta.padded, dtype=meta.shard.dtype, device=meta.compute_device)
+            meta.gathered = meta.full[:meta.numel].view(meta.shape)
         storage = meta.full.untyped_storage()
         nbytes = meta.padded * meta.full.element_size()
         if storage.size() < nbytes:
@@ -285,7 +289,7 @@ def wait_gather(p: torch.nn.Parameter) -> None:
         start_gather(p)
     if meta.status == INFLIGHT:
         _finish_inflight(meta)
-        p.data = meta.full[:meta.numel].view(meta.shape)
+        p.data = meta.gathered
         meta.status = GATHERED
 
 
