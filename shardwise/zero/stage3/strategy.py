@@ -279,17 +279,18 @@ class Stage3Strategy(ZeroStrategy):
             self._pending_elems += meta.padded
             if self._pending_elems > self._drain_elems:
                 self._drain(keep_last=1 if self.world > 1 else 0)
-        if meta.active == 0 and not self._kept_for_next_forward(p):
+        if meta.active == 0 and id(p) not in self._kept_for_next_forward():
             P.release(p)
 
     def _drop_grad(self, p: torch.nn.Parameter) -> None:
         p.grad = None
-        if p.sw_meta.active == 0 and not self._kept_for_next_forward(p):
+        if p.sw_meta.active == 0 and id(p) not in self._kept_for_next_forward():
             P.release(p)
 
-    def _kept_for_next_forward(self, p: torch.nn.Parameter) -> bool:
-        """The next forward starts with ``p`` and no step comes between: it stays gathered."""
-        return not self._boundary and id(p) in self.coordinator.head
+    def _kept_for_next_forward(self) -> Set[int]:
+        """Parameters the next forward starts with, when no step comes between: they stay
+        gathered after this backward."""
+        return set() if self._boundary else self.coordinator.head
 
     def _drain(self, keep_last: int = 0) -> None:
         """Wait for queued reductions and hand them to the fp32 gradient partitions (on the
@@ -341,7 +342,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def after_backward(self, boundary: bool) -> None:
         self._drain()
-        self.coordinator.sweep(keep=() if boundary else self.coordinator.head)
+        self.coordinator.sweep(keep=self._kept_for_next_forward())
         self.whole.after_backward(boundary)
 
     # --- step -----------------------------------------------------------------------------
@@ -473,7 +474,6 @@ class Stage3Strategy(ZeroStrategy):
             return
         bg, self._bg = self._bg, None
         bg.result()
-        self.coordinator.sweep()  # nothing kept gathered may outlive the weights it copies
         for m, g in self._bg_hidden:
             m.grad = g
         self._bg_hidden = []
@@ -484,10 +484,17 @@ class Stage3Strategy(ZeroStrategy):
             self._write_shards(skip=set())
         self.whole.after_step(True)
 
+    def _before_shard_write(self) -> None:
+        """Before the shards change: nothing kept gathered may outlive the weights it copies,
+        and no copy to the device may still read a host shard being overwritten."""
+        self.coordinator.sweep()
+        if self.offload_param:
+            P.sync_fetches()
+
     def _swap_shards(self) -> None:
         """The shards the background step wrote become the weights; the others (no copy to
         the device may still read them) receive the next background step's result."""
-        P.sync_fetches()
+        self._before_shard_write()
         for params in self.trainable:
             for p in params:
                 spare = self._spare_shards.get(id(p))
@@ -525,7 +532,6 @@ class Stage3Strategy(ZeroStrategy):
             self.coordinator.sweep()
             return  # written at the next boundary (or by flush), one step late by design
         self._acc.wait()
-        self.coordinator.sweep()
         self._write_shards(skip=self._stepped if self.offload_param else set())
         self._stepped = set()
         self.whole.after_step(applied)
@@ -533,8 +539,7 @@ class Stage3Strategy(ZeroStrategy):
     def _write_shards(self, skip: Set[int]) -> None:
         """The updated masters into the compute-dtype shards (but those in ``skip``, which an
         eager step already wrote)."""
-        if self.offload_param:
-            P.sync_fetches()  # no copy to the device may still read a shard we overwrite
+        self._before_shard_write()
         with torch.no_grad():
             for params in self.trainable:
                 for p in params:
