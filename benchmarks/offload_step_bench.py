@@ -17,13 +17,19 @@ last column is the ratio to the first row.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable, List, Optional
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from shardwise.offload.cpu_worker import THREADS_ENV, cpu_step_pool  # noqa: E402
 
 
 def make_buckets(total: int, bucket: int, pin: bool) -> List[List[torch.Tensor]]:
@@ -105,8 +111,15 @@ class CopyLoad:
 def measure(name: str, buckets, threads: int, worker: bool, repeats: int,
             load: Optional[Callable[[], object]] = None) -> dict:
     opt = torch.optim.AdamW([p for b in buckets for p in b], lr=1e-4, fused=True)
-    pool = ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads,
-                              initargs=(threads,)) if worker else None
+    pool = None
+    if worker:  # the engine's own worker, with its thread count set as a user would
+        saved_env = os.environ.get(THREADS_ENV)
+        os.environ[THREADS_ENV] = str(threads)
+        pool = cpu_step_pool("offload-step-bench")
+        if saved_env is None:
+            del os.environ[THREADS_ENV]
+        else:
+            os.environ[THREADS_ENV] = saved_env
     saved = torch.get_num_threads()
     if not worker:
         torch.set_num_threads(threads)
