@@ -13,6 +13,7 @@ from pydantic import Field, field_serializer, field_validator, model_validator
 
 from shardwise.errors import ConfigError
 
+from .aio import AioConfig  # noqa: F401  (re-exported: the section lives in aio.py)
 from .base import ConfigModel, canonical_dtype_name, lowered, torch_dtype_of
 
 
@@ -156,28 +157,6 @@ class CheckpointConfig(ConfigModel):
         if isinstance(value, str) and value.strip().lower() in ("warn", "ignore", "fail"):
             return value.strip().capitalize()
         return value
-
-
-class AioConfig(ConfigModel):
-    """``aio``: the asynchronous file IO used by NVMe offload and checkpoint writing."""
-
-    block_size: int = 1048576
-    """Bytes per read/write request."""
-    queue_depth: int = 8
-    """Requests in flight per thread."""
-    intra_op_parallelism: int = 1
-    """Threads that split one tensor's IO."""
-    single_submit: bool = False
-    """Submit requests one at a time instead of in batches."""
-    overlap_events: bool = True
-    """Overlap submitting new requests with waiting for finished ones."""
-    thread_count: int = 1
-    """IO worker threads."""
-    use_gds: bool = False
-    """GPUDirect Storage; needs NVIDIA's cuFile, so shardwise falls back to host IO."""
-    windows_io_optimization: bool = False
-    """Seed key; no effect: shardwise's IO uses Python threads with positioned reads/writes
-    that behave the same on NTFS and POSIX filesystems."""
 
 
 class DataTypesConfig(ConfigModel):

@@ -53,9 +53,15 @@ def platform_key_notes(cfg: "ShardwiseConfig", system: Optional[str] = None) -> 
             notes.append("windows_specific.memory_optimization=\"normal\": no effect (same as "
                          "\"none\"): PyTorch's caching allocator is left as it is.")
     if cfg.aio.windows_io_optimization:
-        notes.append("aio.windows_io_optimization: no effect: shardwise's file IO uses positioned "
-                     "reads/writes from Python threads that behave the same on NTFS and POSIX "
-                     "filesystems; tune aio.block_size / aio.thread_count instead.")
+        if on_windows:
+            how = ("on Windows the IO layer always reads and writes through one file handle per "
+                   "IO thread (seek + readinto/write; Windows has no pread and no O_DIRECT)")
+        else:
+            how = (f"on {name} the IO layer uses pread/pwrite from its threads (O_DIRECT where "
+                   "the filesystem allows it); it picks the Windows path by itself on Windows")
+        notes.append(f"aio.windows_io_optimization: no effect: {how}. Tune aio.block_size, "
+                     "aio.queue_depth and aio.intra_op_parallelism instead (`shardwise "
+                     "nvme-tune --path DIR` prints the best values for a disk).")
     if cfg.checkpoint.windows_path_optimization:
         notes.append("checkpoint.windows_path_optimization: no effect: shardwise always builds "
                      "checkpoint paths with pathlib, uses ':'-free file names and os.replace for "
