@@ -18,6 +18,8 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "report": ("shardwise.report", "main"),
     "convert": ("shardwise.checkpoint.convert", "main"),
     "estimate": ("shardwise.profiling.estimate_cli", "main"),
+    "io-bench": ("shardwise.io.bench_cli", "io_bench_main"),
+    "nvme-tune": ("shardwise.io.bench_cli", "nvme_tune_main"),
 }
 
 
