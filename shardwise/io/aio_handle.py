@@ -42,7 +42,7 @@ MAX_THREADS = 64
 PathOrFd = Union[str, os.PathLike, int]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     """One submitted read or write and what its completion must do."""
 
@@ -55,23 +55,29 @@ class _Request:
     files: Optional[RequestFiles] = None
     futures: List["Future[None]"] = field(default_factory=list)
     gds_wait: Optional[Callable[[], int]] = None
+    finished: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def finish(self) -> None:
         """Wait for every block, close the files, copy a bounce buffer back; raise the first
         error after all blocks are done (none still writes into the buffer)."""
-        try:
-            wait_futures(self.futures)
-            for fut in self.futures:
-                fut.result()
-            if self.gds_wait is not None:
-                self.gds_wait()
-        finally:
-            if self.files is not None:
-                self.files.close()
-        if not self.write and self.host.data_ptr() != self.tensor.data_ptr():
-            byte_view(self.tensor, self.path).copy_(self.host)
-        if self.validate:
-            _validate(self)
+        with self.lock:  # a second caller returns once the first has finished
+            if self.finished:
+                return
+            self.finished = True
+            try:
+                wait_futures(self.futures)
+                for fut in self.futures:
+                    fut.result()
+                if self.gds_wait is not None:
+                    self.gds_wait()
+            finally:
+                if self.files is not None:
+                    self.files.close()
+            if not self.write and self.host.data_ptr() != self.tensor.data_ptr():
+                byte_view(self.tensor, self.path).copy_(self.host)
+            if self.validate:
+                _validate(self)
 
 
 def _validate(req: _Request) -> None:
@@ -201,18 +207,36 @@ class AsyncIOHandle:
 
     def wait(self) -> int:
         """Wait for every pending request; the number completed. Raises the first failure
-        (as a StorageError naming the file) after all of them are done."""
+        (as a StorageError naming the file) after all of them are done. Requests already
+        finished through their own :meth:`IORequest.wait` are not counted."""
         with self._lock:
             pending, self._pending = self._pending, []
         error: Optional[BaseException] = None
+        count = 0
         for req in pending:
+            count += not req.finished
             try:
                 req.finish()
             except BaseException as exc:  # finish the others before raising
                 error = error or exc
         if error is not None:
             raise error
-        return len(pending)
+        return count
+
+    # --- shardwise's per-request API (for pipelines that wait for one request) ------------
+    def read_request(self, buffer: torch.Tensor, filename: PathOrFd, file_offset: int = 0) -> "IORequest":
+        """Start a read like :meth:`async_pread`; the returned request can be waited alone."""
+        return IORequest(self, self._submit(False, buffer, filename, file_offset, False))
+
+    def write_request(self, buffer: torch.Tensor, filename: PathOrFd, file_offset: int = 0) -> "IORequest":
+        """Start a write like :meth:`async_pwrite`; the returned request can be waited alone."""
+        return IORequest(self, self._submit(True, buffer, filename, file_offset, False))
+
+    def _finish_one(self, req: _Request) -> None:
+        with self._lock:
+            if req in self._pending:
+                self._pending.remove(req)
+        req.finish()
 
     # --- pinned buffers ----------------------------------------------------------------
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
@@ -244,7 +268,7 @@ class AsyncIOHandle:
 
     # --- internals ---------------------------------------------------------------------
     def _submit(self, write: bool, tensor: torch.Tensor, target: PathOrFd, offset: int,
-                validate: bool) -> None:
+                validate: bool) -> _Request:
         fd = target if isinstance(target, int) else None
         path = f"<fd {fd}>" if fd is not None else os.fspath(target)
         if not isinstance(tensor, torch.Tensor):
@@ -262,6 +286,7 @@ class AsyncIOHandle:
             req = self._thread_request(write, tensor, path, fd, int(offset), validate)
         with self._lock:
             self._pending.append(req)
+        return req
 
     def _thread_request(self, write: bool, tensor: torch.Tensor, path: str, fd: Optional[int],
                         offset: int, validate: bool) -> _Request:
@@ -282,3 +307,18 @@ class AsyncIOHandle:
             req.futures.append(self._pool.submit(req.files.move, block,
                                                  base + block.buf_offset, piece))
         return req
+
+
+class IORequest:
+    """One submitted request of an :class:`AsyncIOHandle`, waitable on its own."""
+
+    def __init__(self, handle: AsyncIOHandle, req: _Request) -> None:
+        self._handle, self._req = handle, req
+
+    def done(self) -> bool:
+        """True when every block has moved (the buffer may still need :meth:`wait`)."""
+        return all(f.done() for f in self._req.futures)
+
+    def wait(self) -> None:
+        """Wait for this request alone (idempotent); raises its error naming the file."""
+        self._handle._finish_one(self._req)

@@ -36,3 +36,16 @@ def test_round_trip_at_offsets_with_requests_in_flight(tmp_path, positional):
     with pytest.raises(StorageError, match="win.bin"):
         h.sync_pread(torch.empty(10**6), str(path), 0)
     h.close()
+
+
+def test_swap_store_round_trip_and_cleanup(tmp_path):
+    from shardwise.io.swap import SwapDir, SwapStore, TensorSpec
+    groups = [[TensorSpec("w", n, torch.float32)] for n in (10, 3000, 5)]
+    store = SwapStore(SwapDir(tmp_path / "nvme", rank=0), groups, {"block_size": 4096}, buffer_count=3)
+    for i, g in enumerate(groups):
+        store.write_group(i, [torch.full((g[0].numel,), float(i))])
+    store.stream(lambda i, views: views[0].add_(1))
+    assert [store.read_group(i)[0][0].item() for i in range(3)] == [1.0, 2.0, 3.0]
+    folder = store.dir.path
+    store.close()
+    assert not folder.exists()
