@@ -64,7 +64,10 @@ def test_random_offsets_and_sizes_round_trip(tmp_path, positional, direct):
             assert torch.equal(want, got)
 
 
-def test_pinned_aligned_and_unaligned_tensors_of_many_dtypes(tmp_path):
+def test_pinned_aligned_and_unaligned_tensors_of_many_dtypes(tmp_path, monkeypatch):
+    bounced = []
+    real_bounce = file_ops._bounce
+    monkeypatch.setattr(file_ops, "_bounce", lambda n: bounced.append(n) or real_bounce(n))
     path = str(tmp_path / "t.bin")
     h = AsyncIOBuilder().load().aio_handle(ALIGN * 2, 8, False, True, 2)
     pinned = h.new_cpu_locked_tensor(50_000, torch.empty(0, dtype=torch.bfloat16))
@@ -81,6 +84,8 @@ def test_pinned_aligned_and_unaligned_tensors_of_many_dtypes(tmp_path):
         got = torch.empty_like(t)
         assert h.sync_pread(got, path, off) == 1
         assert torch.equal(got, t)
+    # under O_DIRECT the tensor off the page boundary went through the aligned bounce buffer
+    assert bool(bounced) == (file_ops.HAS_O_DIRECT and not h.direct_refused)
     h.close()
 
 
