@@ -300,6 +300,8 @@ class AsyncIOHandle:
         req.files = RequestFiles(path, write, self._direct, self._fallback, self._positional, fd)
         if host.numel() == 0:
             return req
+        if write:
+            req.files.preallocate(offset, host.numel())
         view = memoryview(host.numpy())
         base = host.data_ptr()
         for block in plan_blocks(offset, host.numel(), self._block_size, req.files.direct):

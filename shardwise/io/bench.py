@@ -102,6 +102,14 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / max(seconds, 1e-9) / 1e9
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDWR | getattr(os, "O_BINARY", 0))  # Windows cannot fsync read-only
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def drop_cache(path: Path) -> None:
     """Evict ``path``'s pages from the page cache where the OS can (fsync, then DONTNEED)."""
     if not hasattr(os, "posix_fadvise"):
@@ -191,9 +199,7 @@ def _layer_pass(handle: AsyncIOHandle, cfg: BenchConfig, path: Path, host: torch
                 host.copy_(dev)
             handle.sync_pwrite(target, str(path), 0)
             if not cfg.direct or handle.direct_refused:
-                fd = os.open(path, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
+                _fsync(path)
         else:
             handle.sync_pread(target, str(path), 0)
             if dev is not None and target is host:

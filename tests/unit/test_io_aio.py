@@ -226,3 +226,23 @@ def test_use_gds_without_kvikio_warns_and_uses_threads(tmp_path, monkeypatch):
     got = torch.empty_like(t)
     h.sync_pread(got, tmp_path / "g.bin", 0)
     assert torch.equal(got, t)
+
+
+@pytest.mark.skipif(not file_ops.HAS_O_DIRECT, reason="O_DIRECT (and fallocate) are Linux-only")
+def test_extending_direct_writes_are_preallocated_and_keep_existing_bytes(tmp_path, monkeypatch):
+    calls = []
+    real = file_ops._fallocate()
+    assert real is not None
+    monkeypatch.setattr(file_ops, "_fallocate", lambda: lambda *a: calls.append(a[1:]) or real(*a))
+    path = tmp_path / "p.bin"
+    path.write_bytes(b"\x01" * 10_000)
+    h = AsyncIOHandle(ALIGN, 4, False, True, 2)
+    t = _random_bytes(5 * ALIGN, 8)
+    h.sync_pwrite(t, path, 2 * ALIGN)  # extends the file: allocated first
+    h.sync_pwrite(t[:ALIGN], path, 0)  # inside the file: nothing to allocate
+    if h.direct_refused:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    assert calls == [(0, 2 * ALIGN, 5 * ALIGN)]
+    data = path.read_bytes()
+    assert len(data) == 7 * ALIGN and data[ALIGN:2 * ALIGN] == b"\x01" * ALIGN
+    assert data[:ALIGN] == t[:ALIGN].numpy().tobytes() and data[2 * ALIGN:] == t.numpy().tobytes()

@@ -49,3 +49,14 @@ def test_swap_store_round_trip_and_cleanup(tmp_path):
     folder = store.dir.path
     store.close()
     assert not folder.exists()
+
+
+def test_io_bench_json_runs_here(tmp_path, capsys):
+    import json
+
+    from shardwise.cli import main
+    assert main(["io-bench", "--path", str(tmp_path), "--size", "256K", "--block-size", "64K",
+                 "--threads", "1", "--queue-depth", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verified"] is True and out["read_gbps"] > 0 and out["baseline_write_gbps"] > 0
+    assert list(tmp_path.iterdir()) == []
