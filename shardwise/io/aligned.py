@@ -23,14 +23,16 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, pin: bool = Fal
     whose first byte is :data:`ALIGN`-aligned; pinned when ``pin`` and the accelerator can
     (pinning is an optimisation: it silently stays pageable when it cannot)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    raw = None
     if pin:
         try:
             from ..accelerator import get_accelerator
             if get_accelerator().pin_memory_supported():
-                raw = raw.pin_memory()
+                raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
         except Exception:  # e.g. the pinned-memory limit is reached
-            pass
+            raw = None
+    if raw is None:
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + nbytes].view(dtype)[: nbytes // itemsize]
 
