@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Dict, List, Optional
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Set
 
 import torch
 
@@ -71,20 +71,26 @@ def plan_blocks(file_offset: int, nbytes: int, block_size: int, direct: bool) ->
     return blocks
 
 
+_LOGGED_FOLDERS: Set[str] = set()  # folders whose O_DIRECT refusal was logged (once per process)
+_LOGGED_LOCK = threading.Lock()
+
+
 class DirectFallback:
-    """Remembers, per handle, that O_DIRECT was refused, and says so once."""
+    """Remembers, per handle, that O_DIRECT was refused; says so once per folder and process."""
 
     def __init__(self, log: Callable[[str], None]) -> None:
         self._log = log
-        self._lock = threading.Lock()
         self.refused = False
 
     def refuse(self, path: str, err: OSError) -> None:
-        with self._lock:
-            if not self.refused:
-                self.refused = True
-                self._log(f"aio: O_DIRECT is not supported for {path} ({err.strerror or err}); "
-                          "using buffered IO (the page cache) for this handle.")
+        self.refused = True
+        folder = os.path.dirname(os.path.abspath(path))
+        with _LOGGED_LOCK:
+            if folder in _LOGGED_FOLDERS:
+                return
+            _LOGGED_FOLDERS.add(folder)
+        self._log(f"aio: O_DIRECT is not supported for {path} ({err.strerror or err}); "
+                  "using buffered IO (the page cache) there.")
 
 
 _memmove = ctypes.memmove  # a foreign call: releases the GIL while it copies

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import psutil
 import pytest
 import torch
 
@@ -151,7 +152,6 @@ def test_host_memory_stays_flat_over_300_streamed_steps(tmp_path):
     """300 optimizer-like steps over 4 swapped groups: every value updated each step, and
     the process's resident memory does not grow (no per-request leak of buffers, files or
     bookkeeping)."""
-    psutil = pytest.importorskip("psutil")  # a dependency of shardwise; present in CI
     groups = [[TensorSpec("m", 20000, torch.float32)] for _ in range(4)]
     store = SwapStore(SwapDir(tmp_path, run_id="rss"), groups, {"block_size": 65536}, buffer_count=3)
     for i in range(4):
