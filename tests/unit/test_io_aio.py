@@ -174,6 +174,20 @@ def test_deepspeed_surface(tmp_path):
     assert _file_bytes(path, 0, 4096) == src.flip(0).numpy().tobytes()
 
 
+def test_gds_builder_surface(tmp_path, monkeypatch):
+    """DeepSpeed's GDSBuilder/gds_handle: without kvikio a warning and the host path."""
+    from shardwise.io import aio_handle
+    from shardwise.ops.op_builder import GDSBuilder
+    monkeypatch.setattr(aio_handle, "kvikio_module", lambda: None)
+    with pytest.warns(UserWarning, match="kvikio is not installed"):
+        h = GDSBuilder().load().gds_handle(4096, 4, False, True, 1)
+    assert h.get_queue_depth() == 4 and h.pin_device_tensor(torch.zeros(1))
+    t = _random_bytes(10_000, 9)
+    assert h.sync_pwrite(t, str(tmp_path / "g.bin"), 0) == 1
+    got = torch.empty_like(t)
+    assert h.sync_pread(got, str(tmp_path / "g.bin"), 0) == 1 and torch.equal(got, t)
+
+
 def test_errors_name_the_file(tmp_path):
     h = AsyncIOHandle(1024, 2, False, True, 1)
     path = tmp_path / "short.bin"
