@@ -28,3 +28,8 @@ class DistributedError(ShardwiseError, RuntimeError):
 
 class ZeroError(ShardwiseError):
     """A ZeRO partitioning rule was broken (e.g. reading a partitioned parameter)."""
+
+
+class UnsupportedFeatureError(ShardwiseError, NotImplementedError):
+    """A DeepSpeed feature or engine method that shardwise does not implement; the message
+    names it and says what to do instead."""
