@@ -42,6 +42,14 @@ class FP16Config(ConfigModel):
 class BF16Config(ConfigModel):
     """``bf16`` (also spelled ``bfloat16``): bfloat16 training, no loss scaling needed."""
 
+    deepspeed_only = {
+        "immediate_grad_update": "gradients always accumulate in fp32 buffers "
+                                 "(data_types.grad_accum_dtype chooses otherwise)",
+        "check_grad_overflow": "bf16 runs never skip a step for overflow",
+        "bf16_master_weights_and_grads": "master weights and gradients are always fp32",
+        "bf16_optimizer_states": "optimizer states are always fp32",
+    }
+
     enabled: bool = False
     """Train with bf16 weights/activations and fp32 master weights."""
 
@@ -183,6 +191,8 @@ class AioConfig(ConfigModel):
 class DataTypesConfig(ConfigModel):
     """``data_types``: dtypes of internal buffers."""
 
+    deepspeed_only = {"param_dtype": "the parameter dtype follows fp16.enabled / bf16.enabled"}
+
     grad_accum_dtype: Optional[str] = None
     """Dtype of the gradient accumulation buffer ("fp32"/"fp16"/"bf16"); None: the parameter dtype
     (fp32 master gradients under fp16/bf16)."""
@@ -215,6 +225,7 @@ DEEPCOMPILE_KEYS = (
     "double_buffer", "symmetric_memory", "debug_log", "dump_graphs", "offload_parameters",
     "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather",
     "keep_int_input_tensors", "keep_all_input_tensors", "passes", "autoep_non_moe",
+    "offload_activation_pin_memory",
 )
 
 

@@ -22,6 +22,12 @@ class ShardwiseConfig(ConfigModel):
     """A validated DeepSpeed-compatible training config."""
 
     aliases = {"bfloat16": "bf16"}
+    deepspeed_only = {
+        "gradient_allreduce_op": "reduced gradients are always averaged over the ranks",
+        "managed_gradient_accumulation": "the engine owns the accumulation boundary (see "
+                                         "engine.set_gradient_accumulation_boundary)",
+        "log_level": "set the level of the \"shardwise\" logger (SHARDWISE_LOG_LEVEL)",
+    }
 
     # --- batch --------------------------------------------------------------------------
     train_batch_size: Optional[int] = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from shardwise.errors import ConfigError
 
@@ -21,6 +21,12 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 class OffloadOptimizerConfig(ConfigModel):
     """``zero_optimization.offload_optimizer``: fp32 master weights and optimizer states live
     on the CPU (or NVMe) and the optimizer step runs on the CPU. Valid with stages 1-3."""
+
+    deepspeed_only = {
+        "super_offload": "SuperOffload is not implemented",
+        "cpuadam_cores_perc": "there is no DeepSpeedCPUAdam; SHARDWISE_OFFLOAD_THREADS sets the "
+                              "CPU step's threads",
+    }
 
     device: OffloadDevice = "none"
     """Where optimizer states live: "none" (accelerator), "cpu" or "nvme"."""
@@ -122,6 +128,17 @@ class ZeroConfig(ConfigModel):
         "legacy_stage1": "there is one stage-1 implementation",
         "elastic_checkpoint": "shardwise checkpoints load at any world size anyway",
     }
+    deepspeed_only = {
+        "zenflow": "ZenFlow is not implemented (offload_optimizer.delayed_update is the "
+                   "one-step delayed CPU update)",
+        "allgather_sequential": "stage 3 gathers are always bucketed",
+        "stage3_allgather_sequential": "stage 3 gathers are always bucketed",
+        "zeropp_loco_param": "ZeRO++ (LoCo) is not implemented",
+        "log_trace_cache_warnings": "the stage-3 trace is re-recorded silently when it changes",
+        "enable_sanity_checks": "DeepSpeed's stage-3 sanity checks are not implemented",
+        "save_muon_momentum_buffer_in_memory": "there is no Muon optimizer",
+        "leaf_module": "leaf modules are not implemented; stage 3 hooks every module",
+    }
 
     stage: int = 0
     """0 disabled (plain data parallel), 1 optimizer states, 2 + gradients, 3 + parameters."""
@@ -217,6 +234,11 @@ class ZeroConfig(ConfigModel):
     @field_validator("stage", mode="before")
     @classmethod
     def _stage_in_range(cls, value: Any) -> Any:
+        if isinstance(value, str):  # "2", " 2 ", "2.0": pydantic's lax int parsing, as DeepSpeed
+            try:
+                value = TypeAdapter(int).validate_python(value)
+            except ValidationError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value not in (0, 1, 2, 3):
             raise ConfigError(
                 f"zero_optimization.stage = {value!r} is not a ZeRO stage. Valid stages are 0 "
