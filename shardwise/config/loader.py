@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 from pydantic import ValidationError
 
 from shardwise.errors import ConfigError
-from shardwise.utils.logging import warn_once
+from shardwise.utils.logging import info_once, warn_once
 
 from .auto import fill_peak_lr
 from .base import ConfigModel
@@ -27,7 +27,7 @@ from .batch import resolve_batch
 from .ignored import ignored_section_notes
 from .jsonc import load_file, loads
 from .keys import WalkReport, nested_model, normalize
-from .platform_keys import platform_key_notes
+from .platform_keys import on_windows, platform_key_notes
 from .shardwise_config import ShardwiseConfig
 
 STRICT_ENV = "SHARDWISE_STRICT_CONFIG"
@@ -262,8 +262,11 @@ def load_config(config: Any = None, *, args: Any = None, config_params: Any = No
     cfg._world_size = world_size
     cfg._auto_paths = frozenset(report.auto_paths)
     fill_peak_lr(cfg)
-    notes += platform_key_notes(cfg)
-    cfg._notes = notes
+    infos: List[str] = []
+    (notes if on_windows() else infos).extend(platform_key_notes(cfg))
+    cfg._notes, cfg._infos = notes, infos
     for note in notes:
         warn_once(note)
+    for info in infos:
+        info_once(info)
     return cfg

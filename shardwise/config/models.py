@@ -208,11 +208,13 @@ class WindowsSpecificConfig(ConfigModel):
 
     enable: bool = False
     """Acknowledged, changes nothing: shardwise's Windows behaviour (spawn start method, gloo,
-    pathlib paths) is always on under Windows and never needed elsewhere."""
+    pathlib paths) is always on under Windows and never needed elsewhere (no effect there,
+    logged once at info level)."""
     memory_optimization: Literal["none", "normal", "aggressive"] = "none"
-    """"aggressive": the engine empties the device allocator cache after every optimizer step
-    (lower peak reserved memory, notably under Windows' WDDM driver, at some speed cost).
-    "normal" and "none" leave the caching allocator alone."""
+    """"aggressive", on Windows: the engine empties the device allocator cache after every
+    optimizer step (lower peak reserved memory under Windows' WDDM driver, at some speed
+    cost). "normal" and "none" leave the caching allocator alone. No effect on other
+    platforms (logged once at info level)."""
 
     _lower = field_validator("memory_optimization", mode="before")(
         classmethod(lambda cls, value: lowered(value)))

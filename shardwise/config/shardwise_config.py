@@ -168,6 +168,7 @@ class ShardwiseConfig(ConfigModel):
     _world_size: int = PrivateAttr(default=1)
     _auto_paths: FrozenSet[str] = PrivateAttr(default_factory=frozenset)
     _notes: List[str] = PrivateAttr(default_factory=list)
+    _infos: List[str] = PrivateAttr(default_factory=list)
 
     @field_validator("compile", mode="before")
     @classmethod
@@ -207,6 +208,12 @@ class ShardwiseConfig(ConfigModel):
         return list(self._notes)
 
     @property
+    def infos(self) -> List[str]:
+        """Every info-level text load_config logged for this config (e.g. the seed's Windows
+        keys on another platform), in order."""
+        return list(self._infos)
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """Dtype of the module's weights and activations: fp16, bf16, else fp32 (torch_autocast
         keeps fp32 weights and lowers precision per op, so it is fp32 here too)."""
@@ -223,9 +230,10 @@ class ShardwiseConfig(ConfigModel):
 
     @property
     def empty_cache_after_step(self) -> bool:
-        """True when windows_specific.memory_optimization is "aggressive": the engine empties the
-        allocator cache after each optimizer step."""
-        return self.windows_specific.memory_optimization == "aggressive"
+        """True on Windows when windows_specific.memory_optimization is "aggressive": the engine
+        empties the allocator cache after each optimizer step (elsewhere the key has no effect)."""
+        from .platform_keys import on_windows
+        return self.windows_specific.memory_optimization == "aggressive" and on_windows()
 
     # --- methods -------------------------------------------------------------------------
     def resolve_auto(self, hidden_size: Optional[int] = None,
