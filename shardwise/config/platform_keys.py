@@ -88,9 +88,9 @@ def _windows_notes(cfg: "ShardwiseConfig") -> List[str]:
         notes.append("windows_specific.memory_optimization=\"normal\": no effect (same as "
                      "\"none\"): PyTorch's caching allocator is left as it is.")
     if cfg.aio.windows_io_optimization:
-        notes.append("aio.windows_io_optimization: no effect: shardwise's file IO uses positioned "
-                     "reads/writes from Python threads that behave the same on NTFS and POSIX "
-                     "filesystems; tune aio.block_size / aio.thread_count instead.")
+        notes.append("aio.windows_io_optimization: no effect: shardwise has no NVMe offload IO "
+                     "to tune, and its checkpoint files are written the same way on NTFS and "
+                     "POSIX filesystems.")
     if cfg.checkpoint.windows_path_optimization:
         notes.append("checkpoint.windows_path_optimization: no effect: shardwise always builds "
                      "checkpoint paths with pathlib, uses ':'-free file names and os.replace for "

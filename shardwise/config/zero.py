@@ -29,19 +29,21 @@ class OffloadOptimizerConfig(ConfigModel):
     }
 
     device: OffloadDevice = "none"
-    """Where optimizer states live: "none" (accelerator), "cpu" or "nvme"."""
+    """Where optimizer states live: "none" (accelerator) or "cpu"; "nvme" loads but
+    ``initialize()`` refuses it (NVMe offload is not implemented)."""
     nvme_path: Optional[str] = None
-    """Directory for the swap files when device is "nvme"."""
+    """NVMe swap directory; required with device "nvme" (which initialize refuses: NVMe
+    offload is not implemented)."""
     pin_memory: bool = False
     """Use page-locked CPU buffers: faster, asynchronous host<->device copies, more RAM locked."""
     buffer_count: int = Field(4, ge=0)
-    """Swap buffers for NVMe offload (at least the states per parameter; Adam has 4)."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     pipeline_read: bool = False
-    """NVMe: overlap reading the next sub-group with computing the current one."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     pipeline_write: bool = False
-    """NVMe: overlap writing the previous sub-group with computing the current one."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     fast_init: bool = False
-    """NVMe: skip writing initial states through the swapper (faster start)."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of optimizer states offloaded (the rest stay on the accelerator). DeepSpeed
     allows < 1.0 with stage 3 only."""
@@ -72,17 +74,18 @@ class OffloadParamConfig(ConfigModel):
     Valid with stage 3 only."""
 
     device: OffloadDevice = "none"
-    """Where partitioned parameters live: "none" (accelerator), "cpu" or "nvme"."""
+    """Where partitioned parameters live: "none" (accelerator) or "cpu"; "nvme" loads but
+    ``initialize()`` refuses it (NVMe offload is not implemented)."""
     nvme_path: Optional[str] = None
-    """Directory for the swap files when device is "nvme"."""
+    """NVMe swap directory; required with device "nvme" (which initialize refuses)."""
     pin_memory: bool = False
     """Use page-locked CPU buffers for the parameter partitions."""
     buffer_count: int = Field(5, ge=0)
-    """NVMe: buffers in the parameter swap pool."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     buffer_size: int = Field(100_000_000, ge=0)
-    """NVMe: elements per swap buffer."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     max_in_cpu: int = Field(1_000_000_000, ge=0)
-    """NVMe: parameter elements kept in CPU memory."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
 
     @field_validator("device", mode="before")
     @classmethod
@@ -127,6 +130,10 @@ class ZeroConfig(ConfigModel):
         "pipeline_loading_checkpoint": "pipeline parallelism is not implemented",
         "legacy_stage1": "there is one stage-1 implementation",
         "elastic_checkpoint": "shardwise checkpoints load at any world size anyway",
+        "round_robin_gradients": "gradient copies to the CPU are not spread over ranks",
+        "module_granularity_threshold": "every module is its own stage-3 fetch unit",
+        "use_all_reduce_for_fetch_params": "stage 3 always fetches parameters with all-gather",
+        "ignore_unused_parameters": "shardwise never checks for parameters without a gradient",
     }
     deepspeed_only = {
         "zenflow": "ZenFlow is not implemented (offload_optimizer.delayed_update is the "
@@ -143,25 +150,27 @@ class ZeroConfig(ConfigModel):
     stage: int = 0
     """0 disabled (plain data parallel), 1 optimizer states, 2 + gradients, 3 + parameters."""
     contiguous_gradients: bool = True
-    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    """DeepSpeed key; no effect: gradients always go into flat, bucketed buffers."""
     overlap_comm: Optional[bool] = None
     """Overlap gradient reduction with backward. Unset: True for stage 3, False otherwise."""
     reduce_scatter: bool = True
-    """Reduce gradients with reduce-scatter (each rank gets its partition) instead of all-reduce."""
+    """DeepSpeed key; no effect: stages 2-3 always reduce-scatter, stages 0-1 all-reduce."""
     reduce_bucket_size: int = Field(500_000_000, ge=0)
     """Gradient elements reduced per collective ("auto": hidden_size**2)."""
     allgather_partitions: bool = True
-    """Gather updated parameters with all-gather (True) or a series of broadcasts (False)."""
+    """DeepSpeed key; no effect: updated partitions are always all-gathered."""
     allgather_bucket_size: int = Field(500_000_000, ge=0)
-    """Parameter elements all-gathered per collective after the step (stages 1-2)."""
+    """DeepSpeed key; no effect: stages 1-2 all-gather the updated parameters bucket by
+    bucket, in the buckets of reduce_bucket_size."""
     round_robin_gradients: bool = False
-    """Stages 1-2 with CPU offload: spread gradient copies to the CPU over ranks."""
+    """DeepSpeed key; accepted, no effect (warns when true)."""
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     """Optimizer state offload; see its keys."""
     offload_param: Optional[OffloadParamConfig] = None
     """Parameter offload (stage 3 only); see its keys."""
     sub_group_size: int = Field(1_000_000_000, ge=0)
-    """Elements per optimizer sub-group (tile) stepped at once under offload."""
+    """DeepSpeed key; no effect: offloaded optimizer steps go bucket by bucket (stages 1-2)
+    or parameter by parameter (stage 3)."""
     prefetch_bucket_size: int = Field(50_000_000, ge=0)
     """Stage 3: parameter elements prefetched ahead of use ("auto": 0.9 * hidden_size**2)."""
     param_persistence_threshold: int = Field(100_000, ge=0)
@@ -175,13 +184,16 @@ class ZeroConfig(ConfigModel):
     gather_16bit_weights_on_model_save: bool = False
     """Stage 3: gather full weights for ``save_16bit_model()``."""
     module_granularity_threshold: int = Field(0, ge=0)
-    """Stage 3: treat modules with fewer parameters than this as one fetch unit (0: off)."""
+    """DeepSpeed stage-3 key; accepted, no effect (warns when set): every module is its own
+    fetch unit."""
     use_all_reduce_for_fetch_params: bool = False
-    """Stage 3: fetch parameters with all-reduce instead of all-gather."""
+    """DeepSpeed stage-3 key; accepted, no effect (warns when true): parameters are always
+    fetched with all-gather."""
     elastic_checkpoint: bool = False
     """DeepSpeed legacy key; shardwise checkpoints are elastic anyway."""
     ignore_unused_parameters: bool = True
-    """Do not fail when some parameters get no gradient in a step."""
+    """DeepSpeed key; no effect (warns when false): shardwise never checks for parameters
+    that got no gradient in a step."""
     legacy_stage1: bool = False
     """DeepSpeed legacy key; accepted, no effect."""
     mics_shard_size: int = -1

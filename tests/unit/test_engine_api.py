@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import shardwise
+from shardwise.config import load_config
 from shardwise.errors import ConfigError, UnsupportedFeatureError
 from shardwise.runtime.deepspeed_unsupported import UNSUPPORTED_ATTRIBUTES, UNSUPPORTED_METHODS
 from shardwise.zero.stage3 import partition as P
@@ -205,3 +206,12 @@ def test_attributes_deepspeed_scripts_read() -> None:
     assert engine.zero_optimization() and not engine.zero_optimization_partition_gradients()
     assert engine.zero_reduce_bucket_size() == 200 and engine.gradient_clipping() == 0.0
     assert engine.optimizer_name() == "AdamW" and engine.optimizer_params()["lr"] == 1e-2
+
+
+def test_dataloader_drop_last_reaches_initializes_loader_too() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(10).float())
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 0, "dataloader_drop_last": True,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    _, _, loader, _ = shardwise.initialize(model=make_model(), config=cfg, training_data=data)
+    assert [len(b[0]) for b in loader] == [4, 4]
+    assert not any("dataloader_drop_last" in w for w in load_config(cfg).warnings)
