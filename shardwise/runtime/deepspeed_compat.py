@@ -184,6 +184,32 @@ class DeepSpeedCompatMixin(DeepSpeedQueriesMixin, UnsupportedSurfaceMixin):
         if self.strategy is not None:
             self.strategy.refresh_after_load(weights_only=True)
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> Optional[Dict[str, torch.Tensor]]:
+        """The whole module's weights (compute dtype) and persistent buffers on the CPU, keyed as
+        ``module.state_dict()``, on rank 0; None on the other ranks. DeepSpeed's private method,
+        which Accelerate and the Hugging Face Trainer call to save a ZeRO-3 model; every rank
+        must call it (under stage 3 the partitions are gathered to rank 0)."""
+        from ..checkpoint import engine_io
+        from ..checkpoint.engine_state import _aliases, _persistent_buffers, _stage
+        engine_io._async.wait_pending(self)
+        stage = _stage(self)
+        views = {v.name: v for v in engine_io._views(self)}
+        state: Dict[str, torch.Tensor] = {}
+        for name, p in self.module.named_parameters():
+            if exclude_frozen_parameters and not p.requires_grad:
+                continue
+            state[name] = engine_io._gather_full(self, name, p, views.get(name), stage)
+        if self.global_rank != 0:
+            return None
+        for first, others in _aliases(self.module).items():
+            for other in others:
+                if first in state:
+                    state[other] = state[first]
+        for name, buf in _persistent_buffers(self.module):
+            state[name] = buf.detach().cpu()
+        return state
+
     # --- attributes DeepSpeed scripts read ------------------------------------------------------
     @property
     def dp_world_size(self) -> int:

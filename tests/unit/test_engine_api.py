@@ -175,8 +175,10 @@ def test_empty_partition_cache_releases_gathered_stage3_params() -> None:
     engine.destroy()
 
 
-def test_load_module_state_dict_refreshes_the_masters() -> None:
-    engine = _engine(2, optimizer={"type": "SGD", "params": {"lr": 0.0}})
+@pytest.mark.parametrize("stage", [2, 3])
+def test_load_module_state_dict_refreshes_the_masters(stage: int) -> None:
+    engine = _engine(stage, optimizer={"type": "SGD", "params": {"lr": 0.0}},
+                     zero_optimization={"param_persistence_threshold": 10})
     other = make_model(seed=5).state_dict()
     engine.load_module_state_dict({"module": other})
     (x, y), = global_batches(1, 4)
@@ -184,8 +186,15 @@ def test_load_module_state_dict_refreshes_the_masters() -> None:
         engine.backward(engine(x[2 * k:2 * k + 2], y[2 * k:2 * k + 2]))
         engine.step()
     assert engine.was_step_applied()
-    for name, value in engine.module.state_dict().items():
+    got = _params(engine) if stage < 3 else _gathered(engine)
+    for name, value in got.items():
         assert torch.equal(value, other[name]), name
+
+
+def _gathered(engine):
+    from shardwise.zero import GatheredParameters
+    with GatheredParameters(list(engine.module.parameters())):
+        return _params(engine)
 
 
 def test_module_state_dict_can_leave_out_frozen_parameters() -> None:
@@ -215,3 +224,17 @@ def test_dataloader_drop_last_reaches_initializes_loader_too() -> None:
     _, _, loader, _ = shardwise.initialize(model=make_model(), config=cfg, training_data=data)
     assert [len(b[0]) for b in loader] == [4, 4]
     assert not any("dataloader_drop_last" in w for w in load_config(cfg).warnings)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_consolidated_16bit_state_dict_is_the_whole_module(stage: int) -> None:
+    engine = _engine(stage, zero_optimization={"param_persistence_threshold": 10})
+    (x, y), = global_batches(1, 4)
+    for k in range(2):
+        engine.backward(engine(x[2 * k:2 * k + 2], y[2 * k:2 * k + 2]))
+        engine.step()
+    state = engine._zero3_consolidated_16bit_state_dict()
+    want = _params(engine) if stage < 3 else _gathered(engine)
+    assert set(state) == set(want)
+    for name in want:
+        assert state[name].device.type == "cpu" and torch.equal(state[name].float(), want[name])
