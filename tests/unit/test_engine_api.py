@@ -56,10 +56,10 @@ def test_every_documented_deepspeed_name_resolves_or_says_what_to_do() -> None:
 
 def test_deepspeed_names_win_over_the_modules_namesakes() -> None:
     engine = _engine()
-    engine.module.monitor = "the model's own"           # a DeepSpeed attribute name
+    engine.module.tput_timer = "the model's own"        # a DeepSpeed attribute name
     engine.module.offload_states = lambda: "the model's"  # a DeepSpeed method name
-    with pytest.raises(UnsupportedFeatureError, match="engine.monitor is not supported"):
-        engine.monitor
+    with pytest.raises(UnsupportedFeatureError, match="engine.tput_timer is not supported"):
+        engine.tput_timer
     with pytest.raises(UnsupportedFeatureError, match=r"offload_states\(\) is not supported"):
         engine.offload_states()
     assert engine.fc1 is engine.module.fc1  # other names still reach the module
