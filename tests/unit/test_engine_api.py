@@ -238,3 +238,27 @@ def test_consolidated_16bit_state_dict_is_the_whole_module(stage: int) -> None:
     assert set(state) == set(want)
     for name in want:
         assert state[name].device.type == "cpu" and torch.equal(state[name].float(), want[name])
+
+
+def test_config_queries_answer_from_the_config() -> None:
+    engine = _engine(3, steps_per_print=7, gradient_clipping=0.5, gradient_predivide_factor=2.0,
+                     checkpoint={"tag_validation": "fail"}, flops_profiler={"enabled": True},
+                     zero_optimization={"reduce_bucket_size": 123, "prefetch_bucket_size": 456,
+                                        "param_persistence_threshold": 78, "max_live_parameters": 910,
+                                        "max_reuse_distance": 11, "sub_group_size": 12,
+                                        "gather_16bit_weights_on_model_save": True,
+                                        "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
+    assert (engine.steps_per_print(), engine.gradient_clipping(), engine.gradient_predivide_factor()) \
+        == (7, 0.5, 2.0)
+    assert (engine.zero_reduce_bucket_size(), engine.zero_prefetch_bucket_size(),
+            engine.zero_param_persistence_threshold(), engine.zero_max_live_parameters(),
+            engine.zero_max_reuse_distance(), engine.zero_sub_group_size()) == (123, 456, 78, 910, 11, 12)
+    assert engine.zero_optimization_partition_weights() and engine.zero_gather_16bit_weights_on_model_save()
+    assert engine.zero_cpu_offload() and engine.zero_use_cpu_optimizer() and engine.zero_partial_offload() == 0.5
+    assert engine.zero_overlap_comm() and engine.is_first_weights_partition_group()
+    assert engine.checkpoint_tag_validation_enabled() and engine.checkpoint_tag_validation_fail()
+    assert engine.flops_profiler_enabled() is False  # the section loads; there is no profiler
+    assert engine.torch_autocast_lower_precision_safe_modules()[0] == "torch.nn.Linear"
+    assert engine.get_data_types() == (torch.float32, torch.float32)
+    assert engine.is_map_style_dataset(torch.utils.data.TensorDataset(torch.zeros(2)))
+    engine.destroy()
