@@ -42,7 +42,6 @@ IGNORED_SECTIONS: Dict[str, str] = {
     "fp32_allreduce": "use \"communication_data_type\": \"fp32\"",
     "sparse_gradients": "gradients are always reduced densely",
     "vocabulary_size": "only used by DeepSpeed for a tensor-core alignment hint",
-    "dataloader_drop_last": "shardwise does not build your DataLoader; pass drop_last to it",
     "seq_parallel_communication_data_type": "sequence parallelism is not implemented",
     "sequence_parallel_size": "sequence parallelism is not implemented",
     "use_data_before_expert_parallelism": "expert (MoE) parallelism is not implemented",

@@ -19,15 +19,19 @@ from ..config import ShardwiseConfig
 from ..errors import ConfigError, ZeroError
 from ..utils.logging import log_dist
 from ..zero.shard_view import ShardView
+from .deepspeed_compat import DeepSpeedCompatMixin
+from .deepspeed_unsupported import UNSUPPORTED_ATTRIBUTES, unsupported_error
 from .step_logger import StepLogger, Timers
 from .zero_optimizer import ZeroOptimizer
 
 
-class ShardwiseEngine(torch.nn.Module):
+class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
     """DeepSpeed's ``DeepSpeedEngine`` surface over a ZeRO strategy.
 
     Attribute access that the engine does not define falls through to the wrapped module,
-    so ``engine.generate(...)`` or ``engine.config_class`` work as they do on the model.
+    so ``engine.generate(...)`` or ``engine.config_class`` work as they do on the model;
+    DeepSpeed engine names shardwise lacks raise UnsupportedFeatureError first
+    (docs/engine_api.md).
     """
 
     def __init__(self, *, module: torch.nn.Module, config: ShardwiseConfig,
@@ -63,12 +67,15 @@ class ShardwiseEngine(torch.nn.Module):
         self.timers = Timers(bool(config.wall_clock_breakdown))
         self.step_logger = StepLogger(config.steps_per_print, self.train_batch_size(), self.timers)
         self._empty_cache_after_step = bool(getattr(config, "empty_cache_after_step", False))
+        self._init_deepspeed_compat()
 
     # --- attribute fall-through ------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name in UNSUPPORTED_ATTRIBUTES:  # a DeepSpeed name: never the module's namesake
+                raise unsupported_error(name, call=False) from None
             module = super().__getattr__("module")
             return getattr(module, name)
 
@@ -83,6 +90,8 @@ class ShardwiseEngine(torch.nn.Module):
         return int(self.config.gradient_accumulation_steps)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:  # set_gradient_accumulation_boundary()
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def zero_optimization_stage(self) -> int:
