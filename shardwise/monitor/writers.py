@@ -132,7 +132,7 @@ class CometWriter:
     """``comet_ml.start(...)``; a tag is logged again after ``samples_log_interval`` samples."""
 
     def __init__(self, config: CometConfig) -> None:
-        comet_ml = require_package("comet_ml")
+        comet_ml = require_package("comet")
         online = config.online
         self.experiment = comet_ml.start(api_key=config.api_key, project=config.project,
                                          workspace=config.workspace,
