@@ -1,4 +1,5 @@
-"""The ``shardwise`` command: ``run`` (the default), ``report``, ``convert``, ``estimate``.
+"""The ``shardwise`` command: ``run`` (the default), ``report``, ``convert``, ``estimate``,
+``plot``.
 
 ``shardwise train.py ...`` and ``shardwise run train.py ...`` launch; the other words are
 subcommands. Each subcommand's module is imported only when it is used, so a missing
@@ -18,6 +19,7 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "report": ("shardwise.report", "main"),
     "convert": ("shardwise.checkpoint.convert", "main"),
     "estimate": ("shardwise.profiling.estimate_cli", "main"),
+    "plot": ("shardwise.monitor.plot", "main"),
 }
 
 
