@@ -4,7 +4,6 @@ engine flushes every ``steps_per_print`` optimizer steps, and at exit."""
 from __future__ import annotations
 
 import atexit
-import weakref
 from typing import Any, Iterable, List, Optional
 
 from ..utils.logging import logger
@@ -27,8 +26,8 @@ class MonitorMaster:
         self._buffer: List[Event] = []
         self._closed = False
         if writers:
-            ref = weakref.ref(self)
-            atexit.register(lambda: ref() is not None and ref().close())
+            # a strong reference: an engine dropped before exit still gets its last events out
+            atexit.register(self.close)
 
     @classmethod
     def from_config(cls, config: Any, rank: int) -> "MonitorMaster":
@@ -60,6 +59,7 @@ class MonitorMaster:
         """Flush and close the writers (idempotent; also runs at interpreter exit)."""
         if self._closed:
             return
+        atexit.unregister(self.close)
         try:
             self.flush()
         finally:
