@@ -46,7 +46,8 @@ IGNORED_SECTIONS: Dict[str, str] = {
                        "(sharded by ZeRO)",
     "inference": "shardwise is a training engine; the inference config is not used",
     "checkpoint_engine": "checkpoints are always written by shardwise's own writer",
-    "monitor_config": "shardwise does not write monitor events",
+    "monitor_config": "DeepSpeed builds it internally; configure the \"tensorboard\", "
+                      "\"csv_monitor\", \"wandb\" and \"comet\" sections instead",
 }
 
 

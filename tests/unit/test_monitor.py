@@ -13,7 +13,8 @@ import shardwise
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.monitor import MonitorMaster, csv_file_name
-from tests.monitor_utils import SEQ, initialize, monitor_config, read_csv, train
+from shardwise.monitor.throughput import FlopsModel
+from tests.monitor_utils import SEQ, VOCAB, initialize, monitor_config, read_csv, train
 
 DS_TAGS = ["Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/global_grad_norm"]
 
@@ -22,10 +23,14 @@ def _window_means(losses, ga):
     return [sum(losses[i:i + ga]) / ga for i in range(0, len(losses), ga)]
 
 
-def test_csv_monitor_files_rows_and_values_match_the_loop(tmp_path) -> None:
+def test_csv_monitor_files_rows_and_values_match_the_loop(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SHARDWISE_PEAK_TFLOPS", "0.001")  # a CPU has no known peak: name one
     cfg = monitor_config(tmp_path, csv_monitor={"enabled": True, "output_path": str(tmp_path),
                                                 "job_name": "run1"})
     engine = initialize(cfg)
+    n_params = sum(p.numel() for p in engine.module.parameters())
+    # 6N + 12 L h s with N = parameters minus the (untied) input embedding table
+    assert engine.step_logger.flops == FlopsModel(n_params - VOCAB * 32, layers=2, hidden=32)
     losses = train(engine, steps=5)
     job = tmp_path / "run1"
     # flushed at steps_per_print (2, 4): step 5 is still buffered
@@ -49,6 +54,9 @@ def test_csv_monitor_files_rows_and_values_match_the_loop(tmp_path) -> None:
     _, tps = read_csv(job / "Train_Samples_tokens_per_sec.csv")
     assert [s for s, _ in sps] == [8, 16] and [s for s, _ in tps] == [8, 16]
     assert all(math.isclose(t, s * SEQ, rel_tol=1e-9) for (_, s), (_, t) in zip(sps, tps))
+    _, mfu = read_csv(job / "Train_Samples_mfu.csv")
+    per_token = engine.step_logger.flops.per_token(SEQ)
+    assert all(math.isclose(m, per_token * t / 1e9, rel_tol=1e-9) for (_, m), (_, t) in zip(mfu, tps))
     assert read_csv(job / "Train_Samples_host_rss_gib.csv")[1][0][1] > 0
     # no fp16 -> no loss scale; no wall_clock_breakdown -> no phase times
     assert not (job / "Train_Samples_loss_scale.csv").exists()
