@@ -326,10 +326,14 @@ def _setup_shardwise_monitors(model, batches, cfg, device, wall_clock: bool) -> 
 
     set_single_process_env()
     name = "sw_z2_wallclock" if wall_clock else "sw_z2_monitors"
+    root = monitor_output_path()
+    job, k = name, 1
+    while (root / job).exists():  # a variant listed twice gets a run folder per repeat
+        k += 1
+        job = f"{name}_{k}"
     config = engine_config(cfg, ZERO_SECTIONS["z2"])
     config.update(steps_per_print=10, wall_clock_breakdown=wall_clock,
-                  csv_monitor={"enabled": True, "output_path": str(monitor_output_path()),
-                               "job_name": name})
+                  csv_monitor={"enabled": True, "output_path": str(root), "job_name": job})
     engine, _, _, _ = shardwise.initialize(model=model, config=config)
     return engine_step(engine, batches)
 
