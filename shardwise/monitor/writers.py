@@ -106,8 +106,14 @@ class WandbWriter:
 
     def __init__(self, config: WandbConfig) -> None:
         self._wandb = require_package("wandb")
-        self._run = self._wandb.init(project=config.project, group=config.group,
-                                     entity=config.team)
+        try:
+            self._run = self._wandb.init(project=config.project, group=config.group,
+                                         entity=config.team)
+        except Exception as err:  # no login, no network: say what to do, at initialize
+            raise ConfigError(f"\"wandb\": wandb.init(project={config.project!r}, "
+                              f"group={config.group!r}, entity={config.team!r}) failed: {err}. "
+                              f"Log in with `wandb login` (or set WANDB_API_KEY), or run "
+                              f"offline with WANDB_MODE=offline.") from err
         self._last_step = -1
 
     def write(self, events: Resolved) -> None:
@@ -133,11 +139,14 @@ class CometWriter:
 
     def __init__(self, config: CometConfig) -> None:
         comet_ml = require_package("comet")
-        online = config.online
-        self.experiment = comet_ml.start(api_key=config.api_key, project=config.project,
-                                         workspace=config.workspace,
-                                         experiment_key=config.experiment_key, mode=config.mode,
-                                         online=online)
+        try:
+            self.experiment = comet_ml.start(
+                api_key=config.api_key, project=config.project, workspace=config.workspace,
+                experiment_key=config.experiment_key, mode=config.mode, online=config.online)
+        except Exception as err:  # no API key, no network: say what to do, at initialize
+            raise ConfigError(f"\"comet\": comet_ml.start(project={config.project!r}, "
+                              f"online={config.online!r}) failed: {err}. Set \"api_key\" (or "
+                              f"COMET_API_KEY), or log offline with \"online\": false.") from err
         if config.experiment_name is not None:
             self.experiment.set_name(config.experiment_name)
         self.interval = int(config.samples_log_interval)

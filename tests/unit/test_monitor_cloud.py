@@ -56,3 +56,15 @@ def test_comet_offline_experiment_writes_its_archive(tmp_path, monkeypatch) -> N
     for m in metrics:
         steps.setdefault(m["metricName"], []).append(m["step"])
     assert steps["Train/Samples/train_loss"] == [4, 12] and steps["Train/Samples/lr"] == [4, 12]
+
+
+def test_comet_online_without_api_key_is_a_config_error(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("comet_ml")
+    from shardwise.config import load_config
+    from shardwise.errors import ConfigError
+    from shardwise.monitor import MonitorMaster
+    monkeypatch.delenv("COMET_API_KEY", raising=False)
+    monkeypatch.setenv("COMET_CONFIG", str(tmp_path / "none.config"))  # no ~/.comet.config key
+    with pytest.raises(ConfigError, match="COMET_API_KEY.*\"online\": false"):
+        MonitorMaster.from_config(load_config(monitor_config(
+            tmp_path, comet={"enabled": True, "project": "sw"})), rank=0)
