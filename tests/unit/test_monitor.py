@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 
-import shardwise
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.monitor import MonitorMaster, csv_file_name
