@@ -1,8 +1,8 @@
 """``shardwise plot RUN_DIR [--out DIR] [--compare RUN_DIR2 ...]``: PNG plots of a monitor run.
 
-One figure per metric (loss, learning rate, throughput, memory, loss scale, phase times) and
-an overview with all of them, over global samples (the monitors' x axis). ``--compare``
-overlays other runs on every figure. Needs matplotlib (``pip install matplotlib``).
+One figure per metric (loss, learning rate, throughput, MFU, memory, loss scale, grad norm,
+phase times) and an overview with all of them, over global samples (the monitors' x axis).
+``--compare`` overlays other runs on every figure. Needs matplotlib (``pip install matplotlib``).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ PANELS: Tuple[Panel, ...] = (
     Panel("lr", "Learning rate", "lr", ("Train_Samples_lr",)),
     Panel("throughput", "Throughput", "per second",
           ("Train_Samples_samples_per_sec", "Train_Samples_tokens_per_sec")),
+    Panel("mfu", "Model FLOPs utilisation", "fraction of peak", ("Train_Samples_mfu",)),
     Panel("memory", "Memory", "GiB", ("Train_Samples_gpu_peak_memory_gib", "Train_Samples_host_rss_gib")),
     Panel("loss_scale", "fp16 loss scale", "loss scale", ("Train_Samples_loss_scale",), log_y=True),
     Panel("grad_norm", "Global gradient norm", "norm", ("Train_Samples_global_grad_norm",)),
@@ -71,6 +72,8 @@ def _draw(ax: Any, panel: Panel, runs: Sequence[Tuple[str, Run]]) -> bool:
         ax.set_ylabel(panel.ylabel)
         if panel.log_y:
             ax.set_yscale("log", base=2)
+        else:
+            ax.ticklabel_format(axis="y", useOffset=False)  # 1.02 GiB, not 2e-2 + 1.0
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     return drew
