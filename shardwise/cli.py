@@ -1,4 +1,5 @@
-"""The ``shardwise`` command: ``run`` (the default), ``report``, ``convert``, ``estimate``.
+"""The ``shardwise`` command: ``run`` (the default), ``report``, ``convert``, ``estimate``,
+``plot``.
 
 ``shardwise train.py ...`` and ``shardwise run train.py ...`` launch; the other words are
 subcommands. Each subcommand's module is imported only when it is used, so a missing
@@ -20,6 +21,7 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "estimate": ("shardwise.profiling.estimate_cli", "main"),
     "io-bench": ("shardwise.io.bench_cli", "io_bench_main"),
     "nvme-tune": ("shardwise.io.bench_cli", "nvme_tune_main"),
+    "plot": ("shardwise.monitor.plot", "main"),
 }
 
 

@@ -11,11 +11,6 @@ from typing import Any, Dict, List
 
 #: key -> why it has no effect in shardwise (and what to use instead).
 IGNORED_SECTIONS: Dict[str, str] = {
-    "tensorboard": "shardwise does not write monitor events; log engine metrics with your own "
-                   "SummaryWriter",
-    "wandb": "shardwise does not write monitor events; call wandb.log yourself",
-    "csv_monitor": "shardwise does not write monitor events; log engine metrics yourself",
-    "comet": "shardwise does not write monitor events; log engine metrics yourself",
     "flops_profiler": "use torch.profiler or torch.utils.flop_counter.FlopCounterMode",
     "comms_logger": "use TORCH_DISTRIBUTED_DEBUG=DETAIL or torch.profiler to see collectives",
     "autotuning": "there is no autotuner; use `shardwise report` and the memory estimators",
@@ -50,7 +45,8 @@ IGNORED_SECTIONS: Dict[str, str] = {
                        "(sharded by ZeRO)",
     "inference": "shardwise is a training engine; the inference config is not used",
     "checkpoint_engine": "checkpoints are always written by shardwise's own writer",
-    "monitor_config": "shardwise does not write monitor events",
+    "monitor_config": "DeepSpeed builds it internally; configure the \"tensorboard\", "
+                      "\"csv_monitor\", \"wandb\" and \"comet\" sections instead",
 }
 
 

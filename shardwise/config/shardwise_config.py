@@ -16,6 +16,7 @@ from .base import ConfigModel, canonical_dtype_name, torch_dtype_of
 from .models import (ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig,
                      CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                      TorchAutocastConfig, WindowsSpecificConfig)
+from .monitor import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from .zero import ZeroConfig
 
 class ShardwiseConfig(ConfigModel):
@@ -101,16 +102,16 @@ class ShardwiseConfig(ConfigModel):
     """The seed article's Windows section (see platform_keys.py)."""
     compile: CompileConfig = Field(default_factory=CompileConfig)
     """torch.compile of the model at initialize() (runtime/compile.py applies it)."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor events (shardwise.monitor)."""
+    csv_monitor: CSVConfig = Field(default_factory=CSVConfig)
+    """CSV monitor: one file per tag (shardwise.monitor)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases monitor (shardwise.monitor)."""
+    comet: CometConfig = Field(default_factory=CometConfig)
+    """Comet monitor (shardwise.monitor)."""
 
     # --- accepted, kept verbatim, no effect (reasons in ignored.py) ----------------------
-    tensorboard: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    wandb: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    csv_monitor: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    comet: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     flops_profiler: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     comms_logger: Any = None
@@ -182,10 +183,11 @@ class ShardwiseConfig(ConfigModel):
     _notes: List[str] = PrivateAttr(default_factory=list)
     _infos: List[str] = PrivateAttr(default_factory=list)
 
-    @field_validator("compile", mode="before")
+    @field_validator("compile", "tensorboard", "csv_monitor", "wandb", "comet", mode="before")
     @classmethod
     def _null_compile(cls, value: Any) -> Any:
-        # "compile": null (or false) is DeepSpeed's "no compile section": the defaults, off.
+        # "compile": null (or false) is DeepSpeed's "no section": the defaults, off (same for
+        # the monitor sections).
         return {} if value is None or value is False else value
 
     @field_validator("communication_data_type", mode="before")

@@ -118,9 +118,6 @@ UNSUPPORTED_METHODS: Dict[str, Missing] = {
 
 #: DeepSpeed engine attributes (not methods) whose access raises ``UnsupportedFeatureError``.
 UNSUPPORTED_ATTRIBUTES: Dict[str, Missing] = {
-    "monitor": Missing("the engine writes no monitor events",
-                       "log engine.get_lr(), the loss and engine.get_global_grad_norm() with "
-                       "your own SummaryWriter / wandb.log"),
     "tput_timer": _TIMERS,
     "checkpoint_engine": Missing("checkpoints are always written by shardwise's own writer",
                                  "use engine.save_checkpoint() / engine.load_checkpoint()"),

@@ -19,9 +19,11 @@ from ..config import ShardwiseConfig
 from ..errors import ConfigError, ZeroError
 from ..utils.logging import log_dist
 from ..zero.shard_view import ShardView
+from ..monitor import DeviceScalar, EngineTimers, MonitorMaster
+from ..monitor.throughput import FlopsModel
+from .step_logger import StepInfo, StepLogger, momentum_of
 from .deepspeed_compat import DeepSpeedCompatMixin
 from .deepspeed_unsupported import UNSUPPORTED_ATTRIBUTES, unsupported_error
-from .step_logger import StepLogger, Timers
 from .zero_optimizer import ZeroOptimizer
 
 
@@ -64,8 +66,13 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
         self._autocast_dtype = (config.torch_autocast.dtype if config.torch_autocast.enabled
                                 else None)
         self._compute_dtype = config.compute_dtype
-        self.timers = Timers(bool(config.wall_clock_breakdown))
-        self.step_logger = StepLogger(config.steps_per_print, self.train_batch_size(), self.timers)
+        # reporting (runtime/step_logger.py, shardwise/monitor): DeepSpeed's engine.monitor
+        self.timers = EngineTimers(bool(config.wall_clock_breakdown), get_accelerator().synchronize)
+        self.monitor = MonitorMaster.from_config(config, rank=self.global_rank)
+        self.step_logger = StepLogger(
+            steps_per_print=config.steps_per_print, samples_per_step=self.train_batch_size(),
+            world_size=self.world_size, timers=self.timers, monitor=self.monitor,
+            rank=self.global_rank, flops=FlopsModel.of(module), device=device)
         self._empty_cache_after_step = bool(getattr(config, "empty_cache_after_step", False))
         self._init_deepspeed_compat()
 
@@ -111,12 +118,13 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
-        self.timers.start("forward")
+        self.step_logger.record_batch(args, kwargs)
+        self.timers.start("fwd")
         ctx = (torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
                if self._autocast_dtype is not None else contextlib.nullcontext())
         with ctx:
             out = self.module(*args, **kwargs)
-        self.timers.stop("forward")
+        self.timers.stop("fwd")
         return out
 
     # --- backward ------------------------------------------------------------------------------
@@ -140,11 +148,15 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
             scaled = scaled / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.cur_scale
-        self.timers.start("backward")
+        self.timers.start("bwd")
         self.strategy.before_backward(boundary)
+        self.timers.start("bwd_inner")
         scaled.backward(retain_graph=retain_graph)
+        self.timers.stop("bwd_inner")
+        self.timers.start("bwd_allreduce")
         self.strategy.after_backward(boundary)
-        self.timers.stop("backward")
+        self.timers.stop("bwd_allreduce")
+        self.timers.stop("bwd")
         return loss
 
     @contextlib.contextmanager
@@ -177,10 +189,19 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
             self._take_optimizer_step(lr_kwargs)
             self.timers.stop("step")
             self.global_samples += self.train_batch_size()
-            lrs = self.get_lr()
-            scale = self.loss_scaler.cur_scale if self.loss_scaler is not None else None
-            self.step_logger.on_step(self.global_steps, lrs, scale, self.skipped_steps)
+            self.step_logger.on_step(self._step_info())
         self.micro_steps += 1
+
+    def _step_info(self) -> StepInfo:
+        """What the step logger and the monitors report after an optimizer step."""
+        norm = self._global_grad_norm
+        return StepInfo(
+            global_steps=self.global_steps, global_samples=self.global_samples,
+            micro_steps=self.micro_steps + 1, lrs=self.get_lr(),
+            moms=momentum_of(self.optimizer.param_groups),
+            loss_scale=self.loss_scaler.cur_scale if self.loss_scaler is not None else None,
+            skipped=self.skipped_steps,
+            grad_norm=DeviceScalar(norm, self._norm_ready) if norm is not None else None)
 
     def _take_optimizer_step(self, lr_kwargs: Optional[dict]) -> None:
         grads = self.strategy.master_grads()
@@ -324,6 +345,7 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
         engine's hooks from the module (DeepSpeed's ``engine.destroy()``)."""
         from ..checkpoint.async_save import wait_pending
         wait_pending(self)
+        self.monitor.close()
         if self.strategy is not None:
             self.strategy.flush()
             remove = getattr(self.strategy, "remove_hooks", None)

@@ -121,12 +121,13 @@ def test_optimizer_and_scheduler_keep_type_and_params():
 
 def test_ignored_sections_are_fields_kept_verbatim_and_warn_once_each():
     assert set(IGNORED_SECTIONS) <= set(ShardwiseConfig.model_fields)
-    raw = {"tensorboard": {"enabled": True, "output_path": "runs"}, "flops_profiler": {"enabled": True},
-           "zero_force_ds_cpu_optimizer": True, "amp": {"enabled": False}, "wandb": {"enabled": False}}
+    raw = {"autotuning": {"enabled": True, "results_dir": "runs"}, "flops_profiler": {"enabled": True},
+           "zero_force_ds_cpu_optimizer": True, "amp": {"enabled": False},
+           "elasticity": {"enabled": False}}
     cfg = load_config(raw)
-    assert cfg.tensorboard == {"enabled": True, "output_path": "runs"}
+    assert cfg.autotuning == {"enabled": True, "results_dir": "runs"}
     warned = [name for name in IGNORED_SECTIONS if any(f"'{name}'" in w for w in cfg.warnings)]
-    assert warned == ["tensorboard", "flops_profiler", "zero_force_ds_cpu_optimizer"]  # off ones stay quiet
+    assert warned == ["flops_profiler", "autotuning", "zero_force_ds_cpu_optimizer"]  # off ones stay quiet
 
 
 def test_inert_zero_key_set_to_non_default_warns():
