@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
-from ..comm import get_local_rank
+from ..comm import all_reduce, configure as configure_comms_logger, get_local_rank
+from ..profiling.engine_profile import EngineProfile
 from ..config import ShardwiseConfig
 from ..errors import ConfigError, ZeroError
 from ..utils.logging import log_dist
@@ -63,6 +64,9 @@ class ShardwiseEngine(torch.nn.Module):
         self.timers = Timers(bool(config.wall_clock_breakdown))
         self.step_logger = StepLogger(config.steps_per_print, self.train_batch_size(), self.timers)
         self._empty_cache_after_step = bool(getattr(config, "empty_cache_after_step", False))
+        configure_comms_logger(config)  # the comms_logger section (shardwise/comm)
+        self._profile = EngineProfile(self)  # the flops_profiler section (shardwise/profiling)
+        self.flops_profiler = self._profile.profiler  # DeepSpeed's attribute (None when off)
 
     # --- attribute fall-through ------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -105,7 +109,7 @@ class ShardwiseEngine(torch.nn.Module):
         self.timers.start("forward")
         ctx = (torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
                if self._autocast_dtype is not None else contextlib.nullcontext())
-        with ctx:
+        with ctx, self._profile.forward():
             out = self.module(*args, **kwargs)
         self.timers.stop("forward")
         return out
@@ -163,6 +167,7 @@ class ShardwiseEngine(torch.nn.Module):
                               "initialize() or add an \"optimizer\" section to the config")
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
+        self._profile.step_begin()
         if boundary:
             self.timers.start("step")
             self._take_optimizer_step(lr_kwargs)
@@ -172,6 +177,7 @@ class ShardwiseEngine(torch.nn.Module):
             scale = self.loss_scaler.cur_scale if self.loss_scaler is not None else None
             self.step_logger.on_step(self.global_steps, lrs, scale, self.skipped_steps)
         self.micro_steps += 1
+        self._profile.step_end(boundary)
 
     def _take_optimizer_step(self, lr_kwargs: Optional[dict]) -> None:
         grads = self.strategy.master_grads()
@@ -202,7 +208,7 @@ class ShardwiseEngine(torch.nn.Module):
         flag = (torch.stack(flags).any().float() if flags else torch.zeros((), device=self.device))
         flag = flag.to(self.device)
         if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+            all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
         return bool(flag.item())
 
     def _grad_factor(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -224,7 +230,7 @@ class ShardwiseEngine(torch.nn.Module):
             sumsq = (torch.stack(norms).square().sum() if norms
                      else torch.zeros((), device=self.device))
             if self.strategy.grads_partitioned and self.world_size > 1:
-                dist.all_reduce(sumsq, group=self.dp_group)
+                all_reduce(sumsq, group=self.dp_group)
             norm = sumsq.sqrt() * inv
         self._global_grad_norm = norm
         self._norm_ready = ready
