@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any, ContextManager, Iterator, Optional
 
 from ..accelerator import get_accelerator
@@ -18,6 +19,24 @@ from .flops_profiler import FlopsProfiler
 from .flops_report import ProfileTimes
 
 _NOTHING = contextlib.nullcontext()
+
+
+@dataclass
+class ProfileResult:
+    """The numbers of the profiled step (forward of one micro batch on this rank)."""
+
+    step: int
+    """``profile_step``."""
+    flops: int
+    """Forward FLOPs."""
+    macs: int
+    """Forward MACs."""
+    params: int
+    """Parameters of the model."""
+    times: ProfileTimes
+    """Engine-measured forward / backward / step seconds."""
+    report: str
+    """The report text."""
 
 
 class EngineProfile:
@@ -34,8 +53,8 @@ class EngineProfile:
         self._fwd = 0.0
         self._fwd_end = 0.0
         self._step_start = 0.0
-        self.report: Optional[str] = None
-        """The printed report, once written."""
+        self.result: Optional[ProfileResult] = None
+        """What the profiled step measured, once its report is written."""
 
     def _active(self) -> bool:
         return (self.enabled and not self.done
@@ -75,7 +94,11 @@ class EngineProfile:
         times = ProfileTimes(fwd=self._fwd, bwd=max(self._step_start - self._fwd_end, 0.0),
                              step=max(time.perf_counter() - self._step_start, 0.0))
         cfg = self.config
-        self.report = self.profiler.print_model_profile(
+        prof = self.profiler
+        self.result = ProfileResult(step=cfg.profile_step, flops=prof.get_total_flops(),
+                                    macs=prof.get_total_macs(), params=prof.get_total_params(),
+                                    times=times, report="")
+        self.result.report = self.profiler.print_model_profile(
             profile_step=cfg.profile_step, module_depth=cfg.module_depth,
             top_modules=cfg.top_modules, detailed=cfg.detailed, output_file=cfg.output_file,
             times=times)
