@@ -185,3 +185,18 @@ def test_engine_without_the_section_has_no_profiler() -> None:
     engine.backward(engine(x, y))
     engine.step()
     assert not engine.module._forward_pre_hooks
+
+
+def test_zero3_profile_counts_full_parameters() -> None:
+    # partitioned parameters hold empty .data between uses; "params per GPU" is the model's
+    cfg = engine_config(stage=3, micro=4, ga=1, clip=0.0, lr=1e-2,
+                        zero_optimization={"stage3_param_persistence_threshold": 0},
+                        flops_profiler={"enabled": True, "profile_step": 0, "detailed": False})
+    engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
+    x, y = global_batches(1, 4)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    assert all(p.numel() == 0 for p in engine.module.parameters())
+    result = engine._profile.result
+    assert result.params == sum(p.numel() for p in make_model().parameters())
+    assert result.macs == 4 * (IN * HID + HID * HID + HID * OUT)
