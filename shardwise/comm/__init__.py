@@ -90,10 +90,6 @@ def get_local_rank() -> int:
     return _env_int("LOCAL_RANK", 0)
 
 
-COMMS_LOGGER.sync = lambda: get_accelerator().synchronize()
-COMMS_LOGGER.world_size = lambda group: get_world_size(group)
-
-
 def get_backend(group: Any = None) -> Optional[str]:
     return str(dist.get_backend(group)) if is_initialized() else None
 

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch.distributed as dist
+
 from ..utils.logging import log_dist
 
 #: How the bandwidths follow from (message bytes, latency) for each op family.
@@ -84,6 +86,15 @@ class OpRecord:
     busbw_gbps: List[float] = field(default_factory=list)
 
 
+def _sync() -> None:
+    from ..accelerator import get_accelerator
+    get_accelerator().synchronize()
+
+
+def _group_size(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
 def _wait(handle: Any) -> None:
     if handle is not None and hasattr(handle, "wait"):
         handle.wait()
@@ -99,8 +110,6 @@ class CommsLogger:
         self.prof_ops: List[str] = []
         self.debug = False
         self.comms_dict: Dict[str, Dict[int, OpRecord]] = {}
-        self.sync: Callable[[], None] = lambda: None
-        self.world_size: Callable[[Any], int] = lambda group: 1
 
     def configure(self, enabled: Optional[bool] = None, verbose: Optional[bool] = None,
                   prof_all: Optional[bool] = None, prof_ops: Optional[List[str]] = None,
@@ -129,13 +138,13 @@ class CommsLogger:
         record_name = log_name or name
         if self.debug:
             record_name = f"{record_name} | [Caller Func: {sys._getframe(2).f_code.co_name}]"
-        self.sync()
+        _sync()
         t0 = time.perf_counter()
         handle = fn()
         _wait(handle)
-        self.sync()
+        _sync()
         elapsed_ms = (time.perf_counter() - t0) * 1000.0
-        self.append(name, record_name, elapsed_ms, int(nbytes), self.world_size(group))
+        self.append(name, record_name, elapsed_ms, int(nbytes), _group_size(group))
         return handle
 
     def append(self, raw_name: str, record_name: str, latency_ms: float, msg_size: int,

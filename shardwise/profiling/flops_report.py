@@ -151,6 +151,12 @@ def _model_device(model: nn.Module):
 
 
 # --- aggregated profile ------------------------------------------------------------------------
+def _top(rows: Dict[str, List[float]], column: int, fmt, k: int) -> Dict[str, str]:
+    """The ``k`` classes with the largest ``column`` (0 MACs, 1 params, 2 latency), formatted."""
+    ranked = sorted(rows.items(), key=lambda kv: kv[1][column], reverse=True)[:k]
+    return {name: fmt(values[column]) for name, values in ranked}
+
+
 def render_aggregated(prof: "FlopsProfiler", module_depth: int = -1, top_modules: int = 1) -> str:
     """Per depth, the ``top_modules`` module classes with the most params, MACs and latency."""
     info: Dict[int, Dict[str, List[float]]] = {}
@@ -168,12 +174,10 @@ def render_aggregated(prof: "FlopsProfiler", module_depth: int = -1, top_modules
     lines = [f"Top {top_modules} modules in terms of params, MACs or fwd latency at different "
              "model depths:"]
     for d in range(depths):
-        ranked = lambda i, fmt: {k: fmt(v[i]) for k, v in sorted(  # noqa: E731
-            info[d].items(), key=lambda kv: kv[1][i], reverse=True)[:top_modules]}
         lines += [f"depth {d}:",
-                  f"    params      - {ranked(1, params_to_string)}",
-                  f"    MACs        - {ranked(0, macs_to_string)}",
-                  f"    fwd latency - {ranked(2, duration_to_string)}"]
+                  f"    params      - {_top(info[d], 1, params_to_string, top_modules)}",
+                  f"    MACs        - {_top(info[d], 0, macs_to_string, top_modules)}",
+                  f"    fwd latency - {_top(info[d], 2, duration_to_string, top_modules)}"]
     return "\n".join(lines)
 
 
