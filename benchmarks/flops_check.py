@@ -82,7 +82,8 @@ def engine_profile(cfg: BenchConfig, device: torch.device) -> dict:
     result = engine._profile.result
     times = result.times
     iter_s = times.fwd + times.bwd + times.step
-    return {"engine_fwd_flops": result.flops, "engine_fwd_s": times.fwd, "engine_bwd_s": times.bwd,
+    return {"engine_fwd_flops": result.flops, "engine_fwd_macs": result.macs,
+            "engine_fwd_s": times.fwd, "engine_bwd_s": times.bwd,
             "engine_step_s": times.step,
             "engine_tflops_per_gpu": 3 * result.flops / iter_s / 1e12}
 

@@ -23,6 +23,7 @@ def test_flops_check_tiny_cpu(tmp_path: Path) -> None:
     assert _load_script().main([*TINY, "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert abs(got["ratio"] - 1.0) <= 0.05
+    assert "engine_fwd_macs" not in got  # --engine not asked for
     # the matmul part is exact: 6 x fwd MACs / tokens == 6N + 12Lhs, where N's RMSNorm weights
     # (2 per layer and the final one, hidden each) do no matmul
     norm_params = (2 * 2 + 1) * 64
