@@ -11,8 +11,6 @@ from typing import Any, Dict, List
 
 #: key -> why it has no effect in shardwise (and what to use instead).
 IGNORED_SECTIONS: Dict[str, str] = {
-    "flops_profiler": "use torch.profiler or torch.utils.flop_counter.FlopCounterMode",
-    "comms_logger": "use TORCH_DISTRIBUTED_DEBUG=DETAIL or torch.profiler to see collectives",
     "autotuning": "there is no autotuner; use `shardwise report` and the memory estimators",
     "elasticity": "batch sizes come from train_batch_size / train_micro_batch_size_per_gpu / "
                   "gradient_accumulation_steps; the launcher's elastic agent restarts jobs",

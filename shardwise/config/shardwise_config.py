@@ -17,6 +17,7 @@ from .models import (ActivationCheckpointingConfig, AioConfig, BF16Config, Check
                      CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                      TorchAutocastConfig, WindowsSpecificConfig)
 from .monitor import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+from .profiling import CommsLoggerConfig, FlopsProfilerConfig
 from .zero import ZeroConfig
 
 class ShardwiseConfig(ConfigModel):
@@ -96,6 +97,10 @@ class ShardwiseConfig(ConfigModel):
     """Checkpoint save/load options."""
     aio: AioConfig = Field(default_factory=AioConfig)
     """Asynchronous file IO options (NVMe offload, checkpoints)."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """Profile one training step's flops, params and latency (shardwise.profiling)."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """Time and size every collective (shardwise.comm.log_summary())."""
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     """Dtypes of internal buffers."""
     windows_specific: WindowsSpecificConfig = Field(default_factory=WindowsSpecificConfig)
@@ -112,10 +117,6 @@ class ShardwiseConfig(ConfigModel):
     """Comet monitor (shardwise.monitor)."""
 
     # --- accepted, kept verbatim, no effect (reasons in ignored.py) ----------------------
-    flops_profiler: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    comms_logger: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     autotuning: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     elasticity: Any = None
@@ -188,6 +189,12 @@ class ShardwiseConfig(ConfigModel):
     def _null_compile(cls, value: Any) -> Any:
         # "compile": null (or false) is DeepSpeed's "no section": the defaults, off (same for
         # the monitor sections).
+        return {} if value is None or value is False else value
+
+    @field_validator("flops_profiler", "comms_logger", mode="before")
+    @classmethod
+    def _null_section(cls, value: Any) -> Any:
+        # a section given as null (or false) is no section: the defaults, off
         return {} if value is None or value is False else value
 
     @field_validator("communication_data_type", mode="before")

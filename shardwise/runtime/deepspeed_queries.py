@@ -3,7 +3,7 @@
 ``DeepSpeedEngine`` exposes most config values as methods (``engine.zero_reduce_bucket_size()``,
 ``engine.fp16_enabled()`` ...), and scripts and integrations branch on them. Each one here
 reads the resolved ``ShardwiseConfig``. A query about a feature shardwise does not have
-answers what is true here (``flops_profiler_enabled()`` is False) rather than raising, so a
+answers what is true here (``curriculum_learning_enabled()`` is False) rather than raising, so a
 script's ``if engine.x_enabled():`` keeps working; the feature's own parameters raise (see
 deepspeed_unsupported.py).
 """
@@ -341,7 +341,25 @@ class DeepSpeedQueriesMixin:
         return False
 
     def flops_profiler_enabled(self) -> bool:
-        return False
+        return bool(self.config.flops_profiler.enabled)
+
+    def flops_profiler_recompute_fwd_factor(self) -> float:
+        return self.config.flops_profiler.recompute_fwd_factor
+
+    def flops_profiler_profile_step(self) -> int:
+        return self.config.flops_profiler.profile_step
+
+    def flops_profiler_module_depth(self) -> int:
+        return self.config.flops_profiler.module_depth
+
+    def flops_profiler_top_modules(self) -> int:
+        return self.config.flops_profiler.top_modules
+
+    def flops_profiler_detailed(self) -> bool:
+        return bool(self.config.flops_profiler.detailed)
+
+    def flops_profiler_output_file(self) -> Optional[str]:
+        return self.config.flops_profiler.output_file
 
     def autotuning_enabled(self) -> bool:
         return False

@@ -35,8 +35,6 @@ _EIGEN = Missing("eigenvalue-based quantization scheduling is not implemented",
 _DATA_EFF = Missing("DeepSpeed's data efficiency library (curriculum learning, data sampling, "
                     "random-LTD) is not implemented",
                     "order, filter or drop data in your own Dataset/Sampler")
-_FLOPS = Missing("the flops profiler is not implemented",
-                 "use torch.utils.flop_counter.FlopCounterMode or torch.profiler")
 _AUTOTUNE = Missing("there is no autotuner",
                     "size batches with `shardwise estimate` and `shardwise report`")
 _TIMERS = Missing("DeepSpeed's timer objects are not kept",
@@ -77,9 +75,6 @@ UNSUPPORTED_METHODS: Dict[str, Missing] = {
     "eigenvalue_verbose": _EIGEN, "eigenvalue_max_iter": _EIGEN, "eigenvalue_tol": _EIGEN,
     "eigenvalue_stability": _EIGEN, "eigenvalue_gas_boundary_resolution": _EIGEN,
     "eigenvalue_layer_name": _EIGEN, "eigenvalue_layer_num": _EIGEN,
-    "flops_profiler_recompute_fwd_factor": _FLOPS, "flops_profiler_profile_step": _FLOPS,
-    "flops_profiler_module_depth": _FLOPS, "flops_profiler_top_modules": _FLOPS,
-    "flops_profiler_detailed": _FLOPS, "flops_profiler_output_file": _FLOPS,
     "autotuning_start_profile_step": _AUTOTUNE, "autotuning_end_profile_step": _AUTOTUNE,
     "autotuning_metric_path": _AUTOTUNE, "autotuning_model_info_path": _AUTOTUNE,
     "autotuning_metric": _AUTOTUNE,
@@ -121,7 +116,6 @@ UNSUPPORTED_ATTRIBUTES: Dict[str, Missing] = {
     "tput_timer": _TIMERS,
     "checkpoint_engine": Missing("checkpoints are always written by shardwise's own writer",
                                  "use engine.save_checkpoint() / engine.load_checkpoint()"),
-    "flops_profiler": _FLOPS,
     "seq_parallel_group": _SP,
     "random_ltd_scheduler": _DATA_EFF,
 }

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
-from ..comm import get_local_rank
+from ..comm import all_reduce, configure as configure_comms_logger, get_local_rank
+from ..profiling.engine_profile import EngineProfile
 from ..config import ShardwiseConfig
 from ..errors import ConfigError, ZeroError
 from ..utils.logging import log_dist
@@ -75,6 +76,9 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
             rank=self.global_rank, flops=FlopsModel.of(module), device=device)
         self._empty_cache_after_step = bool(getattr(config, "empty_cache_after_step", False))
         self._init_deepspeed_compat()
+        configure_comms_logger(config)  # the comms_logger section (shardwise/comm)
+        self._profile = EngineProfile(self)  # the flops_profiler section (shardwise/profiling)
+        self.flops_profiler = self._profile.profiler  # DeepSpeed's attribute (None when off)
 
     # --- attribute fall-through ------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -122,7 +126,7 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
         self.timers.start("fwd")
         ctx = (torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
                if self._autocast_dtype is not None else contextlib.nullcontext())
-        with ctx:
+        with ctx, self._profile.forward():
             out = self.module(*args, **kwargs)
         self.timers.stop("fwd")
         return out
@@ -184,6 +188,7 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
                               "initialize() or add an \"optimizer\" section to the config")
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
+        self._profile.step_begin()
         if boundary:
             self.timers.start("step")
             self._take_optimizer_step(lr_kwargs)
@@ -191,6 +196,7 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
             self.global_samples += self.train_batch_size()
             self.step_logger.on_step(self._step_info())
         self.micro_steps += 1
+        self._profile.step_end(boundary)
 
     def _step_info(self) -> StepInfo:
         """What the step logger and the monitors report after an optimizer step."""
@@ -232,7 +238,7 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
         flag = (torch.stack(flags).any().float() if flags else torch.zeros((), device=self.device))
         flag = flag.to(self.device)
         if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+            all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
         return bool(flag.item())
 
     def _grad_factor(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -254,7 +260,7 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
             sumsq = (torch.stack(norms).square().sum() if norms
                      else torch.zeros((), device=self.device))
             if self.strategy.grads_partitioned and self.world_size > 1:
-                dist.all_reduce(sumsq, group=self.dp_group)
+                all_reduce(sumsq, group=self.dp_group)
             norm = sumsq.sqrt() * inv
         self._global_grad_norm = norm
         self._norm_ready = ready

@@ -257,7 +257,7 @@ def test_config_queries_answer_from_the_config() -> None:
     assert engine.zero_cpu_offload() and engine.zero_use_cpu_optimizer() and engine.zero_partial_offload() == 0.5
     assert engine.zero_overlap_comm() and engine.is_first_weights_partition_group()
     assert engine.checkpoint_tag_validation_enabled() and engine.checkpoint_tag_validation_fail()
-    assert engine.flops_profiler_enabled() is False  # the section loads; there is no profiler
+    assert engine.flops_profiler_enabled() is True and engine.flops_profiler_profile_step() == 1
     assert engine.torch_autocast_lower_precision_safe_modules()[0] == "torch.nn.Linear"
     assert engine.get_data_types() == (torch.float32, torch.float32)
     assert engine.is_map_style_dataset(torch.utils.data.TensorDataset(torch.zeros(2)))
