@@ -31,7 +31,10 @@ def test_flops_per_token_matches_the_analytic_count(tmp_path: Path) -> None:
     got = json.loads(out.read_text())
     assert abs(got["ratio"] - 1.0) <= 0.05
     norm_params = (2 * 4 + 1) * 1024
-    assert 6 * got["fwd_macs"] / got["tokens"] == got["analytic_flops_per_token"] - 6 * norm_params
+    # the projections' MACs are the analytic 6N (less the norms' weights); on CUDA the rotary
+    # frequencies' outer product (a small matmul) adds a few MACs per token (16 at 1.1B)
+    linear = got["analytic_flops_per_token"] - 6 * norm_params
+    assert abs(6 * got["fwd_macs"] / got["tokens"] - linear) <= 1e-4 * linear
     assert got["engine_fwd_macs"] == got["fwd_macs"]  # the engine counts the same matmuls
     assert got["engine_tflops_per_gpu"] > 1.0
 
