@@ -1,0 +1,101 @@
+"""``deepspeed.initialize`` under the alias, and the engine methods Hugging Face calls.
+
+``initialize`` is ``shardwise.initialize``; the engine it returns is re-classed to
+:class:`HfEngine`, a subclass that adds only methods (no state of its own beyond one
+optional flag), so everything the base engine does is unchanged. The methods are the ones
+transformers' Trainer and Accelerate call on a DeepSpeed engine that the base engine does
+not offer today:
+
+* ``set_gradient_accumulation_boundary(is_boundary)``: Accelerate calls it before each
+  ``engine.backward`` and calls ``engine.step()`` only on the boundary, so the boundary must
+  come from it rather than from the micro-step counter. Installed only where the base class
+  lacks it (the engine's own DeepSpeed-compat surface provides it on newer branches).
+* ``zero_gather_16bit_weights_on_model_save()`` and
+  ``_zero3_consolidated_16bit_state_dict()``: Accelerate's ``get_state_dict`` (the Trainer's
+  ``save_model``) under ZeRO-3.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from ..runtime.engine import ShardwiseEngine
+
+
+def _set_gradient_accumulation_boundary(self: ShardwiseEngine, is_boundary: Optional[bool]) -> None:
+    """DeepSpeed's override of the accumulation boundary (None: the micro-step counter)."""
+    if is_boundary is not None and not isinstance(is_boundary, bool):
+        raise TypeError(f"set_gradient_accumulation_boundary() takes True, False or None, got "
+                        f"{type(is_boundary).__name__} {is_boundary!r}")
+    self.__dict__["_hf_boundary_override"] = is_boundary
+
+
+def _is_gradient_accumulation_boundary(self: ShardwiseEngine) -> bool:
+    override = self.__dict__.get("_hf_boundary_override")
+    if override is not None:
+        return override
+    return ShardwiseEngine.is_gradient_accumulation_boundary(self)
+
+
+_BOUNDARY_SHIMS: Dict[str, Callable[..., Any]] = {
+    "set_gradient_accumulation_boundary": _set_gradient_accumulation_boundary,
+    "is_gradient_accumulation_boundary": _is_gradient_accumulation_boundary,
+}
+
+
+def _boundary_shims() -> Dict[str, Callable[..., Any]]:
+    """The boundary pair, unless the base engine already has the setter (then it owns both)."""
+    if hasattr(ShardwiseEngine, "set_gradient_accumulation_boundary"):
+        return {}
+    return dict(_BOUNDARY_SHIMS)
+
+
+class HfEngine(ShardwiseEngine):
+    """A shardwise engine as transformers' Trainer and Accelerate see it (methods only)."""
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``zero_optimization.stage3_gather_16bit_weights_on_model_save``."""
+        return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> Optional[Dict[str, torch.Tensor]]:
+        """The full module state dict in the compute dtype on rank 0 (None elsewhere); every
+        rank must call it (stage 3 gathers)."""
+        from .state_dict import consolidated_state_dict
+        return consolidated_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
+
+
+for _name, _fn in _boundary_shims().items():
+    setattr(HfEngine, _name, _fn)
+
+
+def adapt(engine: ShardwiseEngine) -> HfEngine:
+    """Re-class a freshly built engine as :class:`HfEngine` (adds methods, keeps state)."""
+    if not isinstance(engine, ShardwiseEngine):
+        raise TypeError(f"adapt() takes a ShardwiseEngine, got {type(engine).__name__}")
+    if not isinstance(engine, HfEngine):
+        engine.__class__ = HfEngine
+    return engine  # type: ignore[return-value]
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               mpu: Any = None, dist_init_required: Optional[bool] = None, collate_fn: Any = None,
+               config: Any = None, config_params: Any = None, **deepspeed_only: Any):
+    """``deepspeed.initialize`` under the alias: ``shardwise.initialize`` with an :class:`HfEngine`.
+
+    DeepSpeed-only keyword arguments (``mesh_param``, ``distributed_port`` ...) must be unset;
+    a set one is an error naming it."""
+    set_only = {k: v for k, v in deepspeed_only.items() if v is not None}
+    if set_only:
+        from ..errors import ConfigError
+        raise ConfigError(f"deepspeed.initialize(): {sorted(set_only)} are not supported by "
+                          "shardwise (data-parallel ZeRO only); remove them")
+    from ..runtime.initialize import initialize as shardwise_initialize
+    engine, opt, loader, sched = shardwise_initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+        training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+        dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+        config_params=config_params)
+    return adapt(engine), opt, loader, sched
