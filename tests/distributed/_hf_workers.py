@@ -222,6 +222,19 @@ def accelerate_direct(out: str) -> Dict[str, Any]:
             "ref_params": {n: p.detach().clone() for n, p in ref_model.named_parameters()}}
 
 
+def trainer_ws2(rank: int, world: int, out: str, stage: int) -> Dict[str, Any]:
+    """Two ranks: the plain Trainer (DDP over gloo), the Trainer on shardwise with a
+    checkpoint at step 2, and a resume from that checkpoint written by two ranks."""
+    results: Dict[str, Any] = {}
+    _guarded(results, "plain", lambda: _kept(run_trainer(os.path.join(out, "plain"), None)))
+    _guarded(results, "full", lambda: _kept(run_trainer(
+        os.path.join(out, "ws2"), ds_config(stage), save_strategy="steps", save_steps=2)))
+    _guarded(results, "resumed", lambda: _kept(run_trainer(
+        os.path.join(out, "ws2"), ds_config(stage),
+        resume=os.path.join(out, "ws2", "checkpoint-2"))))
+    return results
+
+
 def scenarios_ws1(rank: int, world: int, out: str) -> Dict[str, Any]:
     results: Dict[str, Any] = {}
     _guarded(results, "plain", lambda: _kept(run_trainer(os.path.join(out, "plain"), None)))
