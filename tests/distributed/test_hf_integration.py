@@ -127,3 +127,53 @@ def test_trainer_two_ranks_stage3(tmp_path) -> None:
         torch.testing.assert_close(resumed["losses"], full["losses"], atol=1e-6, rtol=0)
         _assert_params_close(resumed["params"], full["params"], atol=1e-6)
     _assert_params_close(results[0]["full"]["params"], results[1]["full"]["params"], atol=0)
+
+
+_ACCELERATE_SCRIPT = '''
+import shardwise.integrations
+shardwise.integrations.use_as_deepspeed()
+import json, sys
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DummyOptim
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+accelerator = Accelerator()
+data = [(torch.randn(8, generator=torch.Generator().manual_seed(i)),
+         torch.randn(1, generator=torch.Generator().manual_seed(100 + i))) for i in range(8)]
+engine, opt, loader = accelerator.prepare(model, DummyOptim(model.parameters()),
+                                          torch.utils.data.DataLoader(data, batch_size=2))
+for x, y in loader:
+    with accelerator.accumulate(engine):
+        accelerator.backward(torch.nn.functional.mse_loss(engine(x), y))
+        opt.step()
+        opt.zero_grad()
+json.dump({"engine": type(engine).__name__, "type": str(accelerator.distributed_type),
+           "steps": engine.global_steps, "stage": engine.zero_optimization_stage(),
+           "lr": engine.get_lr()}, open(sys.argv[1], "w"))
+'''
+
+
+def test_accelerate_launch_use_deepspeed(tmp_path) -> None:
+    """`python -m shardwise.integrations.accelerate_launch --use_deepspeed --deepspeed_config_file
+    ds.json train.py`: accelerate's own launcher (its DeepSpeed check passes) starts a script
+    whose Accelerator builds a shardwise engine from the plugin's config file."""
+    import json
+    import os
+    import subprocess
+    import sys
+    script, out, cfg = tmp_path / "train.py", tmp_path / "out.json", tmp_path / "ds.json"
+    script.write_text(_ACCELERATE_SCRIPT)
+    cfg.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 2}}))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise.integrations.accelerate_launch", "--use_deepspeed",
+         "--deepspeed_config_file", str(cfg), "--num_processes", "1", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got == {"engine": "HfEngine", "type": "DistributedType.DEEPSPEED", "steps": 2,
+                   "stage": 2, "lr": [0.01]}
