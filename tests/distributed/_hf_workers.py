@@ -173,9 +173,15 @@ def zero3_from_pretrained(out: str) -> Dict[str, Any]:
     trained = full_params(trainer)
     trainer.save_model(os.path.join(out, "z3-export"))
     exported = load_file(os.path.join(out, "z3-export", "model.safetensors"))
+    eval_loss = trainer.evaluate(TokenDataset())["eval_loss"]
+    plain = transformers.LlamaForCausalLM(model.config)  # not from_pretrained: no zero.Init
+    plain.load_state_dict(trained)
+    batch = torch.utils.data.default_collate([TokenDataset()[i] for i in range(SAMPLES)])
+    with torch.no_grad():
+        ref_eval_loss = plain(**batch).loss.item()
     return {"zero3_enabled": zero3, "partitioned": partitioned, "saved": saved,
             "loaded": loaded, "trained": trained, "exported": exported,
-            "losses": losses(trainer)}
+            "losses": losses(trainer), "eval_loss": eval_loss, "ref_eval_loss": ref_eval_loss}
 
 
 def accelerate_direct(out: str) -> Dict[str, Any]:

@@ -92,7 +92,8 @@ def test_trainer_fills_auto_values(ws1: Dict[str, Any]) -> None:
 def test_zero3_from_pretrained_loads_into_partitions(ws1: Dict[str, Any]) -> None:
     """With a stage-3 TrainingArguments alive, from_pretrained builds the Llama under
     zero.Init (partitioned) and loads the saved weights exactly; the trained model's
-    save_model (stage3_gather_16bit_weights_on_model_save) writes the trained weights."""
+    save_model (stage3_gather_16bit_weights_on_model_save) writes the trained weights and
+    evaluate() gives the plain model's loss."""
     z3 = _ok(ws1["zero3_load"])
     assert z3["zero3_enabled"] is True
     assert "model.embed_tokens.weight" in z3["partitioned"]
@@ -101,6 +102,8 @@ def test_zero3_from_pretrained_loads_into_partitions(ws1: Dict[str, Any]) -> Non
     changed = max((z3["trained"][n] - z3["saved"][n]).abs().max().item() for n in z3["saved"])
     assert changed > 1e-3  # it trained
     _assert_params_close(z3["exported"], z3["trained"], atol=0)
+    # Trainer.evaluate() on the partitioned model = the plain model with the trained weights
+    assert z3["eval_loss"] == pytest.approx(z3["ref_eval_loss"], abs=1e-5)
 
 
 def test_accelerate_deepspeed_plugin_drives_shardwise(ws1: Dict[str, Any]) -> None:
