@@ -16,7 +16,6 @@ import shardwise.integrations
 shardwise.integrations.use_as_deepspeed()
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -249,4 +248,28 @@ def scenarios_ws1(rank: int, world: int, out: str) -> Dict[str, Any]:
     _guarded(results, "auto", auto_values, out)
     _guarded(results, "zero3_load", zero3_from_pretrained, out)
     _guarded(results, "accelerate", accelerate_direct, out)
+    return results
+
+
+def gpu_scenarios(rank: int, world: int, out: str) -> Dict[str, Any]:
+    """On CUDA (tests/gpu/test_hf_trainer_gpu.py): fp32 parity with the plain Trainer at
+    stages 2 and 3 (TF32 off), and a bf16 stage-3 run with "auto" precision."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    results: Dict[str, Any] = {}
+    on_gpu = dict(use_cpu=False)
+    _guarded(results, "plain", lambda: _kept(run_trainer(os.path.join(out, "plain"), None,
+                                                         **on_gpu)))
+    for stage in (2, 3):
+        _guarded(results, f"stage{stage}", lambda s=stage: _kept(run_trainer(
+            os.path.join(out, f"s{s}"), ds_config(s), **on_gpu)))
+    bf16 = ds_config(3)
+    bf16["bf16"] = {"enabled": "auto"}
+
+    def bf16_run() -> Dict[str, Any]:
+        run = run_trainer(os.path.join(out, "bf16"), bf16, bf16=True, **on_gpu)
+        engine = run["trainer"].model_wrapped
+        return {**_kept(run), "device": str(engine.device),
+                "dtype": str(next(engine.module.parameters()).dtype)}
+    _guarded(results, "bf16", bf16_run)
     return results
