@@ -13,6 +13,7 @@ not offer today:
 * ``zero_gather_16bit_weights_on_model_save()`` and
   ``_zero3_consolidated_16bit_state_dict()``: Accelerate's ``get_state_dict`` (the Trainer's
   ``save_model``) under ZeRO-3.
+* ``engine.optimizer.overflow``: whether the last step was skipped for an fp16 overflow.
 """
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ def _boundary_shims() -> Dict[str, Callable[..., Any]]:
 class HfEngine(ShardwiseEngine):
     """A shardwise engine as transformers' Trainer and Accelerate see it (methods only)."""
 
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        """The engine's step; afterwards ``optimizer.overflow`` says whether an fp16 overflow
+        skipped it (DeepSpeed's optimizer attribute: Accelerate's ``step_was_skipped`` reads
+        it, and the Trainer then leaves its own LR scheduler alone, as with DeepSpeed)."""
+        skipped_before = self.skipped_steps
+        super().step(lr_kwargs)
+        if self.optimizer is not None:
+            self.optimizer.overflow = self.skipped_steps > skipped_before
+
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """``zero_optimization.stage3_gather_16bit_weights_on_model_save``."""
         return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
@@ -76,6 +86,8 @@ def adapt(engine: ShardwiseEngine) -> HfEngine:
         raise TypeError(f"adapt() takes a ShardwiseEngine, got {type(engine).__name__}")
     if not isinstance(engine, HfEngine):
         engine.__class__ = HfEngine
+        if engine.optimizer is not None:
+            engine.optimizer.overflow = False  # Accelerate looks for it when it wraps the optimizer
     return engine  # type: ignore[return-value]
 
 

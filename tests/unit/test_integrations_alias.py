@@ -177,3 +177,20 @@ def test_engine_adapter_16bit_state_dict_stage3() -> None:
     assert sorted(state) == sorted(expected)
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value, atol=0, rtol=0)
+
+
+def test_engine_adapter_reports_fp16_overflow_on_the_optimizer() -> None:
+    """Accelerate's step_was_skipped reads optimizer.overflow (the Trainer then does not step
+    its own scheduler); an inf gradient skips the step and sets it, a finite one clears it."""
+    from shardwise.integrations.engine_adapter import adapt
+    cfg = engine_config(stage=2, micro=2, ga=1, clip=0.0, lr=1e-2,
+                        fp16={"enabled": True, "initial_scale_power": 4})
+    engine = adapt(shardwise.initialize(model=make_model(), config=cfg)[0])
+    assert engine.optimizer.overflow is False
+    (x, y), = global_batches(1, 2)
+    engine.backward(engine(x, y) * float("inf"))
+    engine.step()
+    assert engine.optimizer.overflow is True and engine.skipped_steps == 1
+    engine.backward(engine(x, y))
+    engine.step()
+    assert engine.optimizer.overflow is False and engine.was_step_applied()
