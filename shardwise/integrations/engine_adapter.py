@@ -1,23 +1,24 @@
 """``deepspeed.initialize`` under the alias, and the engine methods Hugging Face calls.
 
 ``initialize`` is ``shardwise.initialize``; the engine it returns is re-classed to
-:class:`HfEngine`, a subclass that adds only methods (no state of its own beyond one
-optional flag), so everything the base engine does is unchanged. The methods are the ones
-transformers' Trainer and Accelerate call on a DeepSpeed engine that the base engine does
-not offer today:
+:class:`HfEngine`, a subclass that adds methods and keeps every piece of the base engine's
+state and behaviour. It adds what transformers' Trainer and Accelerate call on a DeepSpeed
+engine:
 
 * ``set_gradient_accumulation_boundary(is_boundary)``: Accelerate calls it before each
   ``engine.backward`` and calls ``engine.step()`` only on the boundary, so the boundary must
-  come from it rather than from the micro-step counter. Installed only where the base class
-  lacks it (the engine's own DeepSpeed-compat surface provides it on newer branches).
+  come from it rather than from the micro-step counter.
 * ``zero_gather_16bit_weights_on_model_save()`` and
   ``_zero3_consolidated_16bit_state_dict()``: Accelerate's ``get_state_dict`` (the Trainer's
   ``save_model``) under ZeRO-3.
 * ``engine.optimizer.overflow``: whether the last step was skipped for an fp16 overflow.
+
+The first three are shims installed only where the base engine lacks them
+(:func:`missing_shims`): once the engine's own DeepSpeed-compat surface has them, it owns them.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -39,17 +40,36 @@ def _is_gradient_accumulation_boundary(self: ShardwiseEngine) -> bool:
     return ShardwiseEngine.is_gradient_accumulation_boundary(self)
 
 
-_BOUNDARY_SHIMS: Dict[str, Callable[..., Any]] = {
-    "set_gradient_accumulation_boundary": _set_gradient_accumulation_boundary,
-    "is_gradient_accumulation_boundary": _is_gradient_accumulation_boundary,
-}
+def _zero_gather_16bit_weights_on_model_save(self: ShardwiseEngine) -> bool:
+    """``zero_optimization.stage3_gather_16bit_weights_on_model_save``."""
+    return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
 
 
-def _boundary_shims() -> Dict[str, Callable[..., Any]]:
-    """The boundary pair, unless the base engine already has the setter (then it owns both)."""
-    if hasattr(ShardwiseEngine, "set_gradient_accumulation_boundary"):
-        return {}
-    return dict(_BOUNDARY_SHIMS)
+def _zero3_consolidated_16bit_state_dict(self: ShardwiseEngine, exclude_frozen_parameters: bool = False
+                                         ) -> Optional[Dict[str, torch.Tensor]]:
+    """The full module state dict in the compute dtype on rank 0 (None elsewhere); every rank
+    must call it (stage 3 gathers)."""
+    from .state_dict import consolidated_state_dict
+    return consolidated_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
+
+
+# name -> shim; a group is installed only where the base engine lacks its first name (the
+# engine's own DeepSpeed-compat surface provides them on newer branches, and then owns them)
+_SHIM_GROUPS: Tuple[Dict[str, Callable[..., Any]], ...] = (
+    {"set_gradient_accumulation_boundary": _set_gradient_accumulation_boundary,
+     "is_gradient_accumulation_boundary": _is_gradient_accumulation_boundary},
+    {"zero_gather_16bit_weights_on_model_save": _zero_gather_16bit_weights_on_model_save},
+    {"_zero3_consolidated_16bit_state_dict": _zero3_consolidated_16bit_state_dict},
+)
+
+
+def missing_shims() -> Dict[str, Callable[..., Any]]:
+    """The shims this engine class needs: the groups whose first name the base lacks."""
+    out: Dict[str, Callable[..., Any]] = {}
+    for group in _SHIM_GROUPS:
+        if not hasattr(ShardwiseEngine, next(iter(group))):
+            out.update(group)
+    return out
 
 
 class HfEngine(ShardwiseEngine):
@@ -64,19 +84,8 @@ class HfEngine(ShardwiseEngine):
         if self.optimizer is not None:
             self.optimizer.overflow = self.skipped_steps > skipped_before
 
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """``zero_optimization.stage3_gather_16bit_weights_on_model_save``."""
-        return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
-                                             ) -> Optional[Dict[str, torch.Tensor]]:
-        """The full module state dict in the compute dtype on rank 0 (None elsewhere); every
-        rank must call it (stage 3 gathers)."""
-        from .state_dict import consolidated_state_dict
-        return consolidated_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
-
-
-for _name, _fn in _boundary_shims().items():
+for _name, _fn in missing_shims().items():
     setattr(HfEngine, _name, _fn)
 
 

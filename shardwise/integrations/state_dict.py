@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ..checkpoint.async_save import wait_pending
 from ..checkpoint.engine_io import _gather_full, _views
 from ..checkpoint.engine_state import _aliases, _persistent_buffers, _stage
 
@@ -17,6 +18,7 @@ def consolidated_state_dict(engine: Any, exclude_frozen_parameters: bool = False
                             ) -> Optional[Dict[str, torch.Tensor]]:
     """Rank 0: every parameter (tied names included, as ``module.state_dict()`` lists them)
     and persistent buffer, whole, on the CPU. Other ranks: None. All ranks must call it."""
+    wait_pending(engine)  # an async checkpoint still reading the weights finishes first
     stage = _stage(engine)
     rank = int(getattr(engine, "global_rank", 0))
     views = {v.name: v for v in _views(engine)}

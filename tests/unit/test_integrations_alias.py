@@ -194,3 +194,19 @@ def test_engine_adapter_reports_fp16_overflow_on_the_optimizer() -> None:
     engine.backward(engine(x, y))
     engine.step()
     assert engine.optimizer.overflow is False and engine.was_step_applied()
+
+
+def test_shims_defer_to_the_engine_once_it_has_the_method(monkeypatch) -> None:
+    """After the engine's own DeepSpeed-compat surface lands, the adapter stops installing its
+    shims for those names (the engine owns them)."""
+    from shardwise.integrations.engine_adapter import missing_shims
+    assert "set_gradient_accumulation_boundary" in missing_shims() or hasattr(
+        shardwise.ShardwiseEngine, "set_gradient_accumulation_boundary")
+    monkeypatch.setattr(shardwise.ShardwiseEngine, "set_gradient_accumulation_boundary",
+                        lambda self, is_boundary: None, raising=False)
+    monkeypatch.setattr(shardwise.ShardwiseEngine, "_zero3_consolidated_16bit_state_dict",
+                        lambda self, exclude_frozen_parameters=False: {}, raising=False)
+    shims = missing_shims()
+    assert "set_gradient_accumulation_boundary" not in shims
+    assert "is_gradient_accumulation_boundary" not in shims  # the pair goes together
+    assert "_zero3_consolidated_16bit_state_dict" not in shims
