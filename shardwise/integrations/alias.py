@@ -25,7 +25,6 @@ import importlib.util
 import importlib.metadata as metadata
 import sys
 import types
-from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Sequence
 
 from ..errors import ShardwiseError
@@ -111,8 +110,7 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
             found = None
         if found is None:
             return None  # ``import deepspeed.x`` then fails as for any missing submodule
-        module = importlib.import_module(real)
-        is_package = hasattr(module, "__path__")
+        is_package = found.submodule_search_locations is not None
         spec = importlib.machinery.ModuleSpec(fullname, _ExistingModuleLoader(real),
                                               is_package=is_package)
         if is_package:
@@ -125,17 +123,16 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
             yield _AliasDistribution()
 
 
-@dataclass
-class _AliasState:
-    finder: Optional[DeepSpeedAliasFinder] = None
-
-
-_STATE = _AliasState()
+def _installed_finder() -> Optional[DeepSpeedAliasFinder]:
+    for finder in sys.meta_path:
+        if isinstance(finder, DeepSpeedAliasFinder):
+            return finder
+    return None
 
 
 def is_installed() -> bool:
     """True while ``import deepspeed`` resolves to shardwise in this process."""
-    return _STATE.finder is not None
+    return _installed_finder() is not None
 
 
 def _check_hf_not_cached() -> None:
@@ -152,8 +149,9 @@ def _check_hf_not_cached() -> None:
 
 def install() -> DeepSpeedAliasFinder:
     """Put the alias finder first on ``sys.meta_path`` (idempotent)."""
-    if _STATE.finder is not None:
-        return _STATE.finder
+    finder = _installed_finder()
+    if finder is not None:
+        return finder
     existing = sys.modules.get("deepspeed")
     if existing is not None and not getattr(existing, "__name__", "").startswith("shardwise"):
         raise AliasError("use_as_deepspeed(): the real `deepspeed` package is already imported "
@@ -162,19 +160,18 @@ def install() -> DeepSpeedAliasFinder:
     _check_hf_not_cached()
     finder = DeepSpeedAliasFinder()
     sys.meta_path.insert(0, finder)
-    _STATE.finder = finder
     importlib.invalidate_caches()
     return finder
 
 
 def uninstall() -> None:
     """Remove the finder and every ``deepspeed`` entry it put in ``sys.modules`` (tests)."""
-    finder = _STATE.finder
+    finder = _installed_finder()
     if finder is None:
         return
-    if finder in sys.meta_path:
+    while finder is not None:
         sys.meta_path.remove(finder)
+        finder = _installed_finder()
     for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
         del sys.modules[name]
-    _STATE.finder = None
     importlib.invalidate_caches()
