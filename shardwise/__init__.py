@@ -27,8 +27,8 @@ _LAZY = {
 }
 _SUBMODULES = {"comm": "shardwise.comm", "zero": "shardwise.zero", "utils": "shardwise.utils",
                "checkpointing": "shardwise.activation", "checkpoint": "shardwise.checkpoint",
-               "config": "shardwise.config", "ops": "shardwise.ops"}
-_SUBMODULES["monitor"] = "shardwise.monitor"
+               "config": "shardwise.config", "ops": "shardwise.ops",
+               "monitor": "shardwise.monitor", "integrations": "shardwise.integrations"}
 
 __all__ = ["__version__", "get_accelerator", "ConfigError", "CheckpointError", "LaunchError",
            "ShardwiseError", *_LAZY, *_SUBMODULES]

@@ -46,7 +46,7 @@ class ShardwiseConfig(ConfigModel):
 
     # --- engine behaviour ---------------------------------------------------------------
     steps_per_print: int = 10
-    """Log loss/lr/throughput every this many optimizer steps."""
+    """Log loss/lr/throughput every this many optimizer steps (0 or inf: never)."""
     wall_clock_breakdown: bool = False
     """Time forward/backward/step separately and log the breakdown."""
     dump_state: bool = False
@@ -197,6 +197,14 @@ class ShardwiseConfig(ConfigModel):
         # a section given as null (or false) is no section: the defaults, off
         return {} if value is None or value is False else value
 
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never_print(cls, value: Any) -> Any:
+        # Accelerate writes float("inf") to silence the step log (DeepSpeed takes it): never print
+        if isinstance(value, float) and value == float("inf"):
+            return 0
+        return value
+
     @field_validator("communication_data_type", mode="before")
     @classmethod
     def _canon_comm_dtype(cls, value: Any) -> Optional[str]:
@@ -269,3 +277,7 @@ class ShardwiseConfig(ConfigModel):
         Feeding it back to load_config gives an equal config."""
         return self.model_dump(mode="json")
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """Dict-style read of a top-level key as plain JSON data, because DeepSpeed's
+        ``engine.config`` is the config dict (``engine.config.get("zero_optimization", {})``)."""
+        return self.to_dict().get(key, default)

@@ -1,0 +1,2 @@
+"""``deepspeed.launcher``: the constants ``accelerate launch`` reads (``runner``)."""
+from . import runner  # noqa: F401
