@@ -134,12 +134,16 @@ class Block(nn.Module):
             k_cache.index_copy_(2, pos, k)
             v_cache.index_copy_(2, pos, v)
             keys, values = k_cache, v_cache
-        # GQA without copying K/V: the G query heads of one KV head become G query rows.
         g = self.heads // self.kv_heads
-        q = q.reshape(b, self.kv_heads, g * t, self.head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                             is_causal=mask is None and t > 1)
-        out = out.view(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
+        if pos is None:  # prefill: K/V repeated per query head, causal (flash) when unpadded
+            if g > 1:
+                keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                                 is_causal=mask is None and t > 1)
+        else:  # decode, GQA without copying K/V: a KV head's G query heads become G query rows
+            q = q.reshape(b, self.kv_heads, g * t, self.head_dim)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        out = out.reshape(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
         return self.o(out)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,7 +236,6 @@ class FastDecoder(nn.Module):
             keep = mask.bool()[:, None, None, :]
             causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
             attn_mask = (causal & keep) | torch.eye(t, dtype=torch.bool, device=ids.device)
-            attn_mask = self._group_rows(attn_mask)
         x = self._embed(ids, positions)
         rope = self._rope(positions, x)
         for i, block in enumerate(self.blocks):
