@@ -1,4 +1,4 @@
-"""The ``shardwise`` command: ``run`` (the default), ``report``, ``convert``, ``estimate``.
+"""The ``shardwise`` command: ``run`` (the default), ``report``, ``convert``, ``estimate``, ``generate``.
 
 ``shardwise train.py ...`` and ``shardwise run train.py ...`` launch; the other words are
 subcommands. Each subcommand's module is imported only when it is used, so a missing
@@ -18,6 +18,7 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "report": ("shardwise.report", "main"),
     "convert": ("shardwise.checkpoint.convert", "main"),
     "estimate": ("shardwise.profiling.estimate_cli", "main"),
+    "generate": ("shardwise.inference.cli", "main"),
 }
 
 
