@@ -12,6 +12,7 @@ table comes last.
 
     python benchmarks/infer_bench.py                       # everything the issue lists
     python benchmarks/infer_bench.py --sizes 1.1b --batches 1 --variants sw_inject,hf_static
+    python benchmarks/infer_bench.py --sizes 7b --batches 8 --out rows.json   # split runs add up
     python benchmarks/infer_bench.py --device cpu --sizes tiny --batches 1 --new 8 --prompt 16 \
         --variants hf_eager,sw_eager,sw_inject                       # CPU smoke run
 
@@ -190,7 +191,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default="cuda")
     p.add_argument("--timeout", type=int, default=600, help="seconds per child process")
-    p.add_argument("--out", default=None, help="write all rows as JSON here")
+    p.add_argument("--out", default=None, help="JSON file of rows: read first, rows of this run "
+                                               "replace or join them, the table covers all")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sizes, variants = args.sizes.split(","), args.variants.split(",")
@@ -199,15 +201,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(measure(sizes[0], variants[0], batches[0], args.prompt, args.new,
                                  args.device, args.repeats)), flush=True)
         return 0
-    rows = []
+    out = Path(args.out) if args.out else None
+    rows = json.loads(out.read_text()) if out is not None and out.is_file() else []
     for size in sizes:
         for batch in batches:
             for variant in variants:
                 row = _child(args, size, variant, batch)
+                rows = [r for r in rows if (r["size"], r["variant"], r["batch"]) != (size, variant, batch)]
                 rows.append(row)
+                if out is not None:  # saved after every row, so split or cut-off runs add up
+                    out.write_text(json.dumps(rows, indent=1))
                 print(json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    rows.sort(key=lambda r: (r["size"], r["batch"], order.get(r["variant"], 99)))
     print_tables(rows)
     return 0
 

@@ -128,13 +128,15 @@ class InferenceConfig(ConfigModel):
         "return_tuple": "the model's own output type is returned",
         "training_mp_size": "checkpoints of any TP size load (they are gathered by name)",
         "replace_method": "deprecated in DeepSpeed, no effect",
-        "injection_policy_tuple": "use injection_policy",
+        "injection_policy_tuple": "AutoTP finds the split from the model structure",
+        "injection_policy": "AutoTP finds column/row-parallel layers from the model structure "
+                            "(Llama/Mistral/Qwen2, OPT, GPT-2, GPT-NeoX layouts); the policy is "
+                            "not applied",
         "config": "the model's own config is used",
         "transposed_mode": "no effect",
         "ep_size": "expert parallelism is not implemented",
         "moe_experts": "expert parallelism is not implemented",
         "moe_type": "expert parallelism is not implemented",
-        "mpu": "use tensor_parallel.mpu",
         "ep_group": "expert parallelism is not implemented",
         "ep_mp_group": "expert parallelism is not implemented",
     }
@@ -252,6 +254,11 @@ class InferenceConfig(ConfigModel):
                     seed.replace_with_kernel_inject
             if seed.enable_cuda_graph is not None and self.enable_cuda_graph is None:
                 self.enable_cuda_graph = seed.enable_cuda_graph
+        if self.min_out_tokens > self.max_out_tokens:
+            raise ConfigError(f"min_out_tokens = {self.min_out_tokens} is larger than max_out_tokens "
+                              f"= {self.max_out_tokens}; the rule: the static KV cache "
+                              f"(max_out_tokens) must hold at least min_out_tokens. Raise "
+                              f"max_out_tokens to {self.min_out_tokens} or more.")
         if self.checkpoint is None and self.checkpoint_config.checkpoint_dir:
             self.checkpoint = self.checkpoint_config.checkpoint_dir
         return self

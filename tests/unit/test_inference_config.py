@@ -65,13 +65,17 @@ def test_bad_keys_and_values_are_named():
         load_inference_config(max_out_tokens=0)
     with pytest.raises(ConfigError, match="tensor_parallel.tp_size"):
         load_inference_config(tensor_parallel={"tp_size": 0})
+    with pytest.raises(ConfigError, match="min_out_tokens = 64 is larger than max_out_tokens = 32"):
+        load_inference_config(max_out_tokens=32, min_out_tokens=64)
     with pytest.raises(ConfigError, match="no such JSON file"):
         load_inference_config("/nonexistent/ds.json")
 
 
 def test_inert_key_warns(caplog):
-    cfg = load_inference_config(use_triton=False, triangular_masking=False)
+    cfg = load_inference_config(use_triton=False, triangular_masking=False,
+                                injection_policy={"LlamaDecoderLayer": ("self_attn.o_proj",)})
     assert any("triangular_masking" in w and "no effect" in w for w in cfg.warnings)
+    assert any("injection_policy" in w and "not applied" in w for w in cfg.warnings)
 
 
 def test_seed_section_4_2_loads_and_routes_zero_inference():
