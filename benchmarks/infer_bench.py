@@ -89,6 +89,18 @@ def _engine(variant: str, model: Any, torch: Any, max_tokens: int, device: str) 
                                     replace_with_kernel_inject=True, max_out_tokens=max_tokens)
 
 
+def _fixed_text_ids(torch: Any, size: str, device: str) -> Any:
+    """quant.FIXED_TEXT as byte ids (no tokenizer needed; the same tokens every run)."""
+    from shardwise.inference.quant import FIXED_TEXT
+    data = list(FIXED_TEXT.encode("utf-8"))
+    return torch.tensor([data], device=device) % SIZES[size]["vocab_size"]
+
+
+def _perplexity(model: Any, ids: Any) -> float:
+    from shardwise.inference.quant import perplexity
+    return perplexity(lambda x: model(x).logits, ids)
+
+
 def _sync(torch: Any, device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -114,7 +126,13 @@ def measure(size: str, variant: str, batch: int, prompt: int, new: int, device: 
     ids = torch.randint(0, SIZES[size]["vocab_size"], (batch, prompt), device=device)
     mask = torch.ones_like(ids)
     extra = {"cache_implementation": "static"} if variant == "hf_static" else {}
+    text_ids = _fixed_text_ids(torch, size, device)
+    ppl_before = _perplexity(model, text_ids) if variant == "sw_int8" else None
     engine = _engine(variant, model, torch, prompt + new, device)
+    if ppl_before is not None:  # int8's accuracy cost on a fixed text (random weights: relative)
+        ppl_after = _perplexity(engine.module, text_ids)
+        row.update(ppl_bf16=ppl_before, ppl_int8=ppl_after,
+                   ppl_delta_rel=(ppl_after - ppl_before) / ppl_before)
     _timed_generate(torch, engine, ids, mask, new, extra, device)  # compile / capture / warm up
     row["cold_start_s"] = time.perf_counter() - t0
     if variant == "hf_static":  # transformers compiles after its first call
@@ -123,7 +141,9 @@ def measure(size: str, variant: str, batch: int, prompt: int, new: int, device: 
         torch.cuda.reset_peak_memory_stats()
     prefill = min(_timed_generate(torch, engine, ids, mask, 1, extra, device) for _ in range(repeats))
     total = min(_timed_generate(torch, engine, ids, mask, new, extra, device) for _ in range(repeats))
-    decode = max(total - prefill, 1e-9)
+    decode = total - prefill
+    if decode <= 0:  # timer noise on a tiny CPU run: fall back to the whole call per token
+        decode = total * (new - 1) / new
     steps = new - 1
     row.update(prefill_ms=prefill * 1000, first_token_ms=prefill * 1000,
                ms_per_token=decode / steps * 1000, tok_s=batch * steps / decode,
@@ -181,6 +201,14 @@ def print_tables(rows: List[Dict[str, Any]]) -> None:
               f"{_ratio(rows, r, 'ds'):>12} {_ratio(rows, r, 'sw_inject'):>12}")
 
 
+def print_int8_accuracy(rows: List[Dict[str, Any]]) -> None:
+    for r in rows:
+        if "ppl_int8" in r:
+            print(f"int8 accuracy {r['size']} B={r['batch']}: perplexity on quant.FIXED_TEXT "
+                  f"{r['ppl_bf16']:.3f} (bf16) -> {r['ppl_int8']:.3f} (int8), "
+                  f"{100 * r['ppl_delta_rel']:+.3f}%")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1.1b,7b")
@@ -214,6 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(json.dumps(row), flush=True)
     order = {v: i for i, v in enumerate(VARIANTS)}
     rows.sort(key=lambda r: (r["size"], r["batch"], order.get(r["variant"], 99)))
+    print_int8_accuracy(rows)
     print_tables(rows)
     return 0
 

@@ -3,7 +3,7 @@
 The model is built on the meta device (``OnDevice``) and its weights stream from the
 directory straight to the device (``checkpoint=``); the tokenizer comes from the same
 directory. Prints the text and the decode speed. With ``--tp N`` launch N ranks
-(``shardwise --num_gpus N -m shardwise.inference.cli MODEL_DIR ...`` or torchrun); rank 0 prints.
+(``shardwise --num_gpus N --module shardwise.inference.cli MODEL_DIR ...`` or torchrun); rank 0 prints.
 """
 from __future__ import annotations
 
