@@ -70,6 +70,7 @@ class InferenceEngine(nn.Module):
         self.fast_path_reason: Optional[str] = None
         if config.replace_with_kernel_inject or self.plan.active:
             self.rebuild_fast_path()
+        self._note_cuda_graph()
         self.stats: Dict[str, float] = {"build_s": time.perf_counter() - start}
 
     # --- the fast path -------------------------------------------------------------------
@@ -78,6 +79,19 @@ class InferenceEngine(nn.Module):
         """Whether decode steps are captured in CUDA graphs (on by default on CUDA with injection)."""
         graph = self._config.enable_cuda_graph
         return self.device.type == "cuda" and (graph is None or bool(graph))
+
+    def _note_cuda_graph(self) -> None:
+        if not self._config.enable_cuda_graph:
+            return
+        if self.device.type != "cuda":
+            warn_once("enable_cuda_graph: no CUDA device; the decode path runs eagerly.")
+        elif self.decoder is None:
+            warn_once("enable_cuda_graph applies to the fast decode path "
+                      "(replace_with_kernel_inject=True on a supported model); this engine runs "
+                      "the plain module without graphs.")
+        elif self.plan.active:
+            warn_once("enable_cuda_graph: not used with tensor parallelism (the decode step is "
+                      "compiled without CUDA graphs, as DeepSpeed does not graph TP either).")
 
     def rebuild_fast_path(self) -> None:
         """(Re)build the fused / sharded projections from the module's current weights.
