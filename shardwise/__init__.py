@@ -24,6 +24,8 @@ _LAZY = {
         ("shardwise.profiling.memory_estimator", "estimate_zero2_model_states_mem_needs_all_live"),
     "estimate_zero3_model_states_mem_needs_all_live":
         ("shardwise.profiling.memory_estimator", "estimate_zero3_model_states_mem_needs_all_live"),
+    "init_inference": ("shardwise.inference.engine", "init_inference"),
+    "OnDevice": ("shardwise.inference.on_device", "OnDevice"),
 }
 _SUBMODULES = {"comm": "shardwise.comm", "zero": "shardwise.zero", "utils": "shardwise.utils",
                "checkpointing": "shardwise.activation", "checkpoint": "shardwise.checkpoint",

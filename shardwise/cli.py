@@ -1,5 +1,5 @@
-"""The ``shardwise`` command: ``run`` (the default), ``report``, ``convert``, ``estimate``,
-``plot``.
+"""The ``shardwise`` command: ``run`` (the default) and the subcommands in ``SUBCOMMANDS``
+(``report``, ``convert``, ``estimate``, ``io-bench``, ``nvme-tune``, ``plot``, ``generate``).
 
 ``shardwise train.py ...`` and ``shardwise run train.py ...`` launch; the other words are
 subcommands. Each subcommand's module is imported only when it is used, so a missing
@@ -22,6 +22,7 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "io-bench": ("shardwise.io.bench_cli", "io_bench_main"),
     "nvme-tune": ("shardwise.io.bench_cli", "nvme_tune_main"),
     "plot": ("shardwise.monitor.plot", "main"),
+    "generate": ("shardwise.inference.cli", "main"),
 }
 
 

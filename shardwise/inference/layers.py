@@ -1,0 +1,115 @@
+"""``Proj``: one (possibly fused, possibly sharded, possibly int8) projection of the fast path.
+
+``fuse(pieces, ...)`` builds one weight from several projections of the Hugging Face module
+(q/k/v or gate/up) *once* and points the module's own parameters at views of it, so there is
+a single copy of every weight and the module stays in sync: an in-place update of the module
+(``load_state_dict``, ``copy_``) is seen by the fast path. Assigning new ``Parameter`` objects
+to the module breaks the link; call ``InferenceEngine.rebuild_fast_path()`` after that.
+
+Under tensor parallelism the same call keeps only this rank's rows (column-parallel) or
+columns (row-parallel) and points the module at those, so each rank holds its share only.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .arch import Linear
+from .quant import int8_linear
+from .tp import TPPlan, all_reduce
+
+
+class Proj(nn.Module):
+    """y = x W^T (+ b), with an optional int8 W, and an all-reduce for row-parallel layers."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 scale: Optional[torch.Tensor], plan: Optional[TPPlan] = None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.plan = plan  # set for row-parallel layers: all-reduce, then add the bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias_now = None if self.plan is not None else self.bias
+        if self.scale is None:
+            y = F.linear(x, self.weight, bias_now)
+        else:
+            y = int8_linear(x, self.weight, self.scale, bias_now)
+        if self.plan is not None:
+            y = all_reduce(y, self.plan)
+            if self.bias is not None:
+                y = y + self.bias
+        return y
+
+
+# --- rebinding the Hugging Face module to views of the fused tensors ---------------------
+def _rebind(piece: Linear, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            scale: Optional[torch.Tensor]) -> None:
+    module = piece.module
+    if piece.scale is not None:
+        module.int8_weight = weight
+        module.scale = scale
+    else:
+        module.weight.data = weight.t() if piece.transposed else weight
+    if bias is not None and module.bias is not None:
+        module.bias.data = bias
+
+
+def _take(t: Optional[torch.Tensor], rows: Optional[Tuple[int, int]], dim: int = 0):
+    if t is None or rows is None:
+        return t
+    return t.narrow(dim, rows[0], rows[1] - rows[0])
+
+
+def _cat(parts: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    if any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat([p.contiguous() for p in parts])
+
+
+def column_parallel(pieces: List[Linear], row_ranges: List[List[Tuple[int, int]]]) -> Proj:
+    """Fuse ``pieces`` along the output dim, keeping only ``row_ranges`` of each (None: all).
+
+    ``row_ranges[i]`` is a list of [start, end) row ranges of piece i (several for a fused
+    q/k/v weight split by heads), or an empty list for all rows.
+    """
+    weights, biases, scales, sizes = [], [], [], []
+    for piece, ranges in zip(pieces, row_ranges):
+        take = ranges or [None]
+        w = _cat([_take(piece.weight, r) for r in take])
+        weights.append(w)
+        biases.append(_cat([_take(piece.bias, r) for r in take]))
+        scales.append(_cat([_take(piece.scale, r) for r in take]))
+        sizes.append(w.shape[0])
+    weight = _cat(weights)
+    if weight is weights[0] and ranges and len(pieces) == 1:
+        weight = weight.contiguous()  # a sharded copy of its own
+    bias = _cat(biases) if all(b is not None for b in biases) else None
+    scale = _cat(scales) if pieces[0].scale is not None else None
+    offset = 0
+    for piece, n in zip(pieces, sizes):  # the module's tensors become views of the fused ones
+        _rebind(piece, weight[offset:offset + n], None if bias is None else bias[offset:offset + n],
+                None if scale is None else scale[offset:offset + n])
+        offset += n
+    return Proj(weight, bias, scale)
+
+
+def row_parallel(piece: Linear, cols: Optional[Tuple[int, int]], plan: TPPlan) -> Proj:
+    """The input-column slice ``cols`` of ``piece`` (None: all), all-reduced when sharded."""
+    weight = piece.weight if cols is None else _take(piece.weight, cols, dim=1).contiguous()
+    _rebind(piece, weight, piece.bias, piece.scale)
+    return Proj(weight, piece.bias, piece.scale, plan if plan.active else None)
+
+
+def head_rows(n_heads: int, head_dim: int, plan: TPPlan, offset: int = 0,
+              per_head: int = 1) -> List[Tuple[int, int]]:
+    """Row range of this rank's heads in a weight whose rows are ``per_head`` x head_dim per head."""
+    if not plan.active:
+        return []
+    first, last = plan.chunk(n_heads)
+    unit = per_head * head_dim
+    return [(offset + first * unit, offset + last * unit)]

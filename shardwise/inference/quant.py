@@ -1,0 +1,177 @@
+"""Weight-only int8: per-output-channel symmetric scales, PyTorch's own kernels.
+
+``quantize_linears(module)`` replaces every ``nn.Linear`` (and GPT-2 ``Conv1D``) except the
+LM head and embeddings with ``WeightOnlyInt8Linear``: an int8 weight of shape (out, in) and
+one scale per output channel (max |w| / 127). The matmul is ``torch._weight_int8pack_mm``
+on CPU where torch has it; elsewhere ``F.linear(x, w.to(x.dtype)) * scale``, which
+``torch.compile`` fuses into one kernel that reads the int8 weight (half the bytes of bf16).
+When torchao is installed, ``quantize_linears(..., use_torchao=True)`` hands the layers to
+torchao's int8 weight-only scheme instead.
+
+``perplexity`` and ``int8_perplexity_delta`` measure what quantization costs on a fixed text.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable, Dict, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.errors import ConfigError
+
+#: A fixed English text for the perplexity check (any tokenizer; no download needed).
+FIXED_TEXT = (
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a "
+    "single step. To be, or not to be, that is the question: whether it is nobler in the mind "
+    "to suffer the slings and arrows of outrageous fortune, or to take arms against a sea of "
+    "troubles. It was the best of times, it was the worst of times, it was the age of wisdom, "
+    "it was the age of foolishness. All happy families are alike; each unhappy family is "
+    "unhappy in its own way. In the beginning the Universe was created. This has made a lot of "
+    "people very angry and been widely regarded as a bad move.")
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple:
+    """(int8 weight, fp32 per-row scale) for a float (out, in) weight: w ~= q * scale[:, None]."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+#: Under torch.compile on CUDA, at most this many rows use the reduction form (a GEMV).
+GEMV_ROWS = 2
+
+
+def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The reduction form of x @ (weight * scale).T, accumulated in fp32 (see int8_linear)."""
+    prod = x.unsqueeze(-2).float() * weight.float()  # (..., out, in): fused away by inductor
+    return (prod.sum(dim=-1) * scale.float()).to(x.dtype)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ (weight * scale).T (+ bias) without materialising the float weight where possible.
+
+    * CPU, eager: ``torch._weight_int8pack_mm`` (PyTorch's int8 weight kernel);
+    * compiled, CUDA, a decode step of at most ``GEMV_ROWS`` rows: written as a broadcast
+      multiply + sum, which inductor turns into one reduction kernel that reads the int8
+      weight once and converts it in registers (the float weight never exists);
+    * otherwise: ``F.linear(x, weight.to(x.dtype)) * scale`` (inductor may fuse the cast as
+      a prologue of its own matmul kernels under max-autotune).
+    """
+    rows = x.numel() // x.shape[-1]
+    if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm") and not torch.compiler.is_compiling():
+        shape = x.shape
+        out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), weight,
+                                        scale.to(x.dtype))
+        out = out.reshape(*shape[:-1], weight.shape[0])
+    elif torch.compiler.is_compiling() and x.device.type == "cuda" and rows <= GEMV_ROWS:
+        out = int8_gemv(x, weight, scale)
+    else:
+        out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+class WeightOnlyInt8Linear(nn.Module):
+    """A linear layer with an int8 (out, in) weight and per-output-channel scales."""
+
+    def __init__(self, int8_weight: torch.Tensor, scale: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.in_features, self.out_features = int8_weight.shape[1], int8_weight.shape[0]
+        self.register_buffer("int8_weight", int8_weight)
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, module: nn.Module, compute_dtype: torch.dtype) -> "WeightOnlyInt8Linear":
+        weight = module.weight
+        if type(module).__name__ == "Conv1D":  # GPT-2 stores (in, out)
+            weight = weight.t()
+        q, scale = quantize_weight(weight)
+        bias = None if module.bias is None else module.bias.detach().to(compute_dtype)
+        return cls(q, scale.to(compute_dtype), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.int8_weight, self.scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _head_ids(model: nn.Module) -> set:
+    """Modules left in float: the output head (tied to the embedding in many models)."""
+    heads = set()
+    get_out = getattr(model, "get_output_embeddings", None)
+    out = get_out() if callable(get_out) else None
+    if out is not None:
+        heads.add(id(out))
+    return heads
+
+
+def quantize_linears(model: nn.Module, compute_dtype: torch.dtype,
+                     use_torchao: bool = False) -> int:
+    """Replace the linear layers of ``model`` in place; returns how many were quantized."""
+    if use_torchao:
+        return _torchao_quantize(model)
+    skip = _head_ids(model)
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _is_linear(child) and id(child) not in skip:
+                setattr(parent, name, WeightOnlyInt8Linear.from_linear(child, compute_dtype))
+                count += 1
+    return count
+
+
+def _torchao_quantize(model: nn.Module) -> int:
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        raise ConfigError("use_torchao=True needs torchao: pip install torchao") from None
+    skip = _head_ids(model)
+    quantize_(model, Int8WeightOnlyConfig(),
+              filter_fn=lambda m, _fqn: isinstance(m, nn.Linear) and id(m) not in skip)
+    return sum(1 for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in skip)
+
+
+# --- accuracy -----------------------------------------------------------------------------
+@torch.no_grad()
+def perplexity(forward: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor) -> float:
+    """exp(mean next-token cross-entropy) of ``forward(input_ids) -> logits`` on ``input_ids``."""
+    logits = forward(input_ids).float()
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                           input_ids[:, 1:].reshape(-1))
+    return math.exp(loss.item())
+
+
+def _logits_fn(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda ids: model(ids).logits
+
+
+@torch.no_grad()
+def int8_perplexity_delta(model: nn.Module, input_ids: torch.Tensor,
+                          dtype: torch.dtype = torch.bfloat16) -> Dict[str, float]:
+    """Perplexity of ``model`` in ``dtype`` and with int8 weights on the same tokens.
+
+    Works on a deep copy (the caller's model is not changed). Returns
+    ``{"ppl_float", "ppl_int8", "delta", "relative"}``.
+    """
+    ref = copy.deepcopy(model).to(dtype).eval()
+    ppl_float = perplexity(_logits_fn(ref), input_ids)
+    quantize_linears(ref, dtype)
+    ppl_int8 = perplexity(_logits_fn(ref), input_ids)
+    return {"ppl_float": ppl_float, "ppl_int8": ppl_int8, "delta": ppl_int8 - ppl_float,
+            "relative": (ppl_int8 - ppl_float) / ppl_float}
+
+
+def int8_layers(modules: Iterable[nn.Module]) -> int:
+    """How many ``WeightOnlyInt8Linear`` layers are among ``modules``."""
+    return sum(isinstance(m, WeightOnlyInt8Linear) for m in modules)

@@ -1,0 +1,160 @@
+"""Kernel injection = the static-cache decode path: tokens equal Hugging Face generate (CPU fp32)."""
+import copy
+
+import pytest
+import torch
+
+import shardwise
+from transformers import LlamaForCausalLM
+from shardwise.errors import ConfigError
+from shardwise.inference.arch import Unsupported, describe_model
+from tests.unit._inference_models import prompts, tiny
+
+
+@pytest.fixture(scope="module", params=["llama", "opt"])
+def model(request):
+    return tiny(request.param)
+
+
+def _inject(model, **kw):
+    kw.setdefault("max_out_tokens", 64)
+    return shardwise.init_inference(copy.deepcopy(model), dtype="fp32",
+                                    replace_with_kernel_inject=True, **kw)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_tokens_equal_hf_generate(model, batch):
+    ids, mask = prompts(batch)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         pad_token_id=1, eos_token_id=None)
+    eng = _inject(model)
+    assert eng.decoder is not None
+    out = eng.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                       pad_token_id=1, eos_token_id=None)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("batch", [1, 3])  # 1: unpadded causal prefill (GQA regression)
+def test_fast_prefill_logits_match_the_module(model, batch):
+    ids, mask = prompts(batch)
+    eng = _inject(model)
+    from shardwise.inference.decode import hf_positions
+    eng.decoder.ensure_cache(batch, ids.shape[1], torch.float32, torch.device("cpu"))
+    logits = eng.decoder.prefill(ids, mask, hf_positions(mask), all_logits=True)
+    ref = model(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(logits[keep], ref[keep], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "neox"])
+def test_other_families_equal_hf_generate(family):
+    m = tiny(family)
+    ids, mask = prompts(3)
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=1, eos_token_id=None)
+    out = _inject(m).generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=1,
+                              eos_token_id=None)
+    assert torch.equal(out, ref)
+
+
+def test_eos_pads_finished_rows_like_hf():
+    m = tiny("llama")
+    ids, mask = prompts(3)
+    free = m.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=1, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 1])  # row 0 emits it as its 2nd new token
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=1, eos_token_id=eos)
+    out = _inject(m).generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=1,
+                              eos_token_id=eos)
+    assert torch.equal(out, ref)
+
+
+def test_sampling_in_the_fast_path_uses_hf_warpers():
+    m = tiny("llama")
+    ids, mask = prompts(2)
+    eng = _inject(m)
+    torch.manual_seed(3)
+    a = eng.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=1,
+                     eos_token_id=None)
+    greedy = eng.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(a, greedy)  # top_k=1 sampling is greedy
+    torch.manual_seed(3)
+    b = eng.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=2.0,
+                     top_p=0.9, eos_token_id=None)
+    assert b.shape == greedy.shape and ((b >= 0) & (b < 128)).all()
+
+
+def test_fused_weights_are_views_of_the_module():
+    m = tiny("llama")
+    eng = _inject(m)
+    attn = eng.module.model.layers[0].self_attn
+    fused = eng.decoder.blocks[0].qkv.weight
+    assert attn.q_proj.weight.data_ptr() == fused.data_ptr()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    ids, mask = prompts(1)
+    eng.module.load_state_dict(tiny("llama", seed=7).state_dict())  # in place: seen by the fast path
+    ref = tiny("llama", seed=7).generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None)
+    assert torch.equal(eng.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None), ref)
+
+
+def test_beam_search_falls_back_once_with_a_note(caplog):
+    m = tiny("opt")
+    ids, mask = prompts(1)
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2)
+    out = _inject(m).generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2)
+    assert torch.equal(out, ref)
+
+
+def test_unsupported_model_runs_plain_with_a_warning():
+    m = tiny("llama")
+    m.config.final_logit_softcapping = 30.0
+    with pytest.raises(Unsupported, match="final_logit_softcapping"):
+        describe_model(m)
+    eng = _inject(m)
+    assert eng.decoder is None and "final_logit_softcapping" in eng.fast_path_reason
+    ids, mask = prompts(1)
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
+    assert torch.equal(eng.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None), ref)
+
+
+def test_too_many_tokens_name_max_out_tokens():
+    eng = _inject(tiny("llama"), max_out_tokens=10)
+    ids, mask = prompts(1)
+    with pytest.raises(ConfigError, match="max_out_tokens = 10"):
+        eng.generate(ids, attention_mask=mask, max_new_tokens=8)
+
+
+class _ScaledLlama(LlamaForCausalLM):
+    """Same structure as Llama, different math in forward: only the probe can see it."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+
+def test_probe_catches_math_the_structure_does_not_show():
+    src = tiny("llama")
+    m = _ScaledLlama(src.config).eval()
+    m.load_state_dict(src.state_dict())
+    eng = _inject(m)
+    assert eng.decoder is None and "logits differ" in eng.fast_path_reason
+
+
+def test_alibi_flag_true_is_not_mistaken_for_neutral():
+    m = tiny("llama")
+    m.config.use_alibi = True  # True == 1.0 in Python; the check must not treat it as neutral
+    with pytest.raises(Unsupported, match="use_alibi"):
+        describe_model(m)
+
+
+def test_gemma_layout_runs_the_fast_path():
+    from transformers import GemmaConfig, GemmaForCausalLM
+    torch.manual_seed(0)
+    m = GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16)).eval()
+    eng = _inject(m)
+    assert eng.decoder is not None
+    ids, mask = prompts(3)
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=1, eos_token_id=None)
+    assert torch.equal(eng.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=1,
+                                    eos_token_id=None), ref)
