@@ -46,6 +46,13 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import torch  # noqa: E402
 
+from _loss_agreement import (  # noqa: E402
+    AGREEMENT_COLUMNS,
+    DEFAULT_TOLERANCE,
+    annotate,
+    loss_agreement,
+    table_rows,
+)
 from _common import (  # noqa: E402
     BenchConfig,
     add_shape_args,
@@ -115,16 +122,38 @@ def _compile_check(compiled: bool, what: str) -> None:
                            f"this row would measure eager code")
 
 
+def adamw_kwargs(cfg: BenchConfig) -> dict[str, Any]:
+    """The AdamW hyperparameters of every variant, spelled out: the libraries' defaults differ
+    (torch's AdamW decays weights by 0.01, DeepSpeed's FusedAdam by 0)."""
+    return {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.adam_eps,
+            "weight_decay": cfg.weight_decay}
+
+
+def clip_gradients(model: torch.nn.Module, cfg: BenchConfig) -> None:
+    """Global-norm clipping for the hand-written loops, as the engines do for gradient_clipping."""
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+
+
 def engine_config(cfg: BenchConfig, zero: dict[str, Any]) -> dict[str, Any]:
-    """A ds_config dict: bf16, AdamW, the run's micro batch and accumulation, one ZeRO stage."""
+    """A ds_config dict: bf16, AdamW, the run's micro batch and accumulation, one ZeRO stage.
+
+    Everything that decides what is learned is explicit, because DeepSpeed's and shardwise's
+    defaults differ: gradient_clipping (DeepSpeed >= 0.19.6 clips at 1.0 unless told, shardwise
+    at 0), AdamW's weight decay / eps / betas / bias correction, and the gradient accumulation
+    dtype (DeepSpeed accumulates bf16 gradients in bf16 by default, shardwise and FSDP2 in fp32).
+    """
     zero = dict(zero)
     top = zero.pop("_top", {})
     return {
+        "data_types": {"grad_accum_dtype": "fp32"},
         **top,
         "train_micro_batch_size_per_gpu": cfg.micro_batch,
         "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.grad_clip,
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr}},
+        "optimizer": {"type": "AdamW",
+                      "params": {**adamw_kwargs(cfg), "betas": list(cfg.betas)}},
         "zero_optimization": zero,
         # The table is the output; per-step log lines would only bury it.
         "steps_per_print": 1_000_000,
@@ -158,7 +187,7 @@ def backend_for(device: torch.device) -> str:
 # optimizer step (all grad_accum micro batches) and returns the last micro batch's loss.
 # ---------------------------------------------------------------------------------------------
 def _autocast_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
-                   batches: list[torch.Tensor], device: torch.device,
+                   batches: list[torch.Tensor], cfg: BenchConfig, device: torch.device,
                    sync_context: Callable[[bool], Any]) -> StepFn:
     """fp32 parameters under bf16 autocast; ``sync_context(last)`` wraps each micro batch."""
     def step() -> torch.Tensor:
@@ -167,6 +196,7 @@ def _autocast_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
                 with torch.autocast(device.type, dtype=torch.bfloat16):
                     loss = model(input_ids=x, labels=x).loss
                 (loss / len(batches)).backward()
+        clip_gradients(model, cfg)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -177,8 +207,8 @@ def _autocast_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
 def setup_torch(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,
                 device: torch.device) -> StepFn:
     """Plain PyTorch: fp32 parameters, bf16 autocast, fused AdamW."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-    return _autocast_step(model, opt, batches, device, lambda last: contextlib.nullcontext())
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(cfg), fused=True)
+    return _autocast_step(model, opt, batches, cfg, device, lambda last: contextlib.nullcontext())
 
 
 def setup_ddp(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,
@@ -190,9 +220,9 @@ def setup_ddp(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchCon
     set_single_process_env()
     dist.init_process_group(backend_for(device))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(cfg), fused=True)
     # gradients are all-reduced on the last micro batch only
-    return _autocast_step(ddp, opt, batches, device,
+    return _autocast_step(ddp, opt, batches, cfg, device,
                           lambda last: contextlib.nullcontext() if last else ddp.no_sync())
 
 
@@ -212,14 +242,16 @@ def _setup_fsdp2(model: torch.nn.Module, batches: list[torch.Tensor], cfg: Bench
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(cfg), fused=True)
 
     def step() -> torch.Tensor:
         for i, x in enumerate(batches):
-            # FSDP2's own accumulation idiom: reduce gradients only on the last micro batch.
+            # FSDP2's own accumulation idiom: reduce gradients only on the last micro batch
+            # (unsharded gradients accumulate in reduce_dtype, fp32, in between).
             model.set_requires_gradient_sync(i == len(batches) - 1)
             loss = model(input_ids=x, labels=x).loss
             (loss / len(batches)).backward()
+        clip_gradients(model, cfg)  # DTensor gradients: clip_grad_norm_ reduces the norm
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -539,7 +571,20 @@ TABLE_COLUMNS = [
     ("x_ds", "x ds", ".2f"),
     # Same weights and data everywhere, so a last loss far from torch's flags a broken variant.
     ("loss_last", "last loss", ".4f"),
+    ("loss_max_delta", "max |Δloss|", ".4f"),  # filled by --loss-steps
 ]
+
+
+def print_agreement(agreement: list[Any], tolerance: float) -> None:
+    """The loss-agreement table, and a warning line naming the variants that learn otherwise."""
+    print(f"\nloss agreement: per-step loss vs {agreement[0].reference} over the first "
+          f"{max(a.steps for a in agreement)} optimizer steps (same weights, data and "
+          f"optimizer settings; tolerance {tolerance:g})")
+    print(format_table(table_rows(agreement), AGREEMENT_COLUMNS))
+    differ = [a.variant for a in agreement if not a.agrees]
+    if differ:
+        print(f"WARNING: {', '.join(differ)} learn(s) differently from {agreement[0].reference}; "
+              f"their tokens/s ratios do not compare the same computation")
 
 
 def write_json(path: Path | None, cfg: BenchConfig, results: list[dict[str, Any]],
@@ -568,6 +613,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="micro batches per optimizer step; tokens/s counts all of them")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed optimizer steps")
     p.add_argument("--steps", type=int, default=d.steps, help="timed optimizer steps")
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip,
+                   help="global-norm gradient clipping of every variant (0 = none; DeepSpeed's "
+                        "own default of 1.0 is overridden so all variants clip alike)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="AdamW weight decay of every variant")
+    p.add_argument("--loss-steps", type=int, default=0,
+                   help="print the loss-agreement table over the first N optimizer steps "
+                        "(warm-up included; --steps is raised so every variant runs N steps)")
+    p.add_argument("--loss-ref", default=None,
+                   help="reference variant of the loss-agreement table (default: fsdp2, "
+                        "sw_z2, ds_z2, torch or ddp, the first one run)")
+    p.add_argument("--loss-tol", type=float, default=DEFAULT_TOLERANCE,
+                   help="largest max |Δloss| against the reference that counts as bf16 noise")
     p.add_argument("--device", choices=["cuda", "cpu"], default=d.device)
     p.add_argument("--nproc", type=int, default=d.nproc,
                    help="processes (GPUs) per variant, started through the shardwise launcher")
@@ -594,8 +652,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
                        heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab, seq=args.seq,
                        micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-                       warmup=args.warmup, steps=args.steps, device=args.device, nproc=args.nproc,
-                       peak_flops=args.peak_tflops * 1e12)
+                       warmup=args.warmup, steps=max(args.steps, args.loss_steps - args.warmup),
+                       device=args.device, nproc=args.nproc, peak_flops=args.peak_tflops * 1e12,
+                       grad_clip=args.grad_clip, weight_decay=args.weight_decay)
 
 
 def check_args(args: argparse.Namespace, names: list[str]) -> None:
@@ -606,6 +665,10 @@ def check_args(args: argparse.Namespace, names: list[str]) -> None:
               "grad_accum", "steps"):
         if getattr(args, f) < 1:
             raise SystemExit(f"--{f.replace('_', '-')} must be >= 1, got {getattr(args, f)}")
+    if args.loss_steps < 0 or args.grad_clip < 0 or args.weight_decay < 0:
+        raise SystemExit("--loss-steps, --grad-clip and --weight-decay must be >= 0")
+    if args.loss_ref and args.loss_ref not in names:
+        raise SystemExit(f"--loss-ref {args.loss_ref!r} is not among --variants {names}")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         raise SystemExit(f"--hidden ({args.hidden}) must divide by --heads ({args.heads}) and "
                          f"--heads by --kv-heads ({args.kv_heads})")
@@ -656,6 +719,10 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, cfg, results, extra)  # after each variant, in case we are killed
 
     add_ratios(results)
+    agreement = (loss_agreement(results, args.loss_steps, args.loss_ref, args.loss_tol)
+                 if args.loss_steps else [])
+    annotate(results, agreement)
+    extra["loss_agreement"] = table_rows(agreement)
     write_json(args.out, cfg, results, extra)
     n_params = next((r["n_params"] for r in results if "n_params" in r), None)
     print()
@@ -664,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.grad_accum} micro batches per step, {cfg.warmup} warm-up + {cfg.steps} timed "
           f"steps, MFU vs {cfg.peak_flops / 1e12:.0f} TFLOP/s; ratios are tokens/s ratios")
     print(format_table(results, TABLE_COLUMNS))
+    if agreement:
+        print_agreement(agreement, args.loss_tol)
     if args.out is not None:
         print(f"\nresults: {args.out}")
     if tmp is not None:
