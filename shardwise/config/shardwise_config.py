@@ -16,6 +16,7 @@ from .base import ConfigModel, canonical_dtype_name, torch_dtype_of
 from .models import (ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig,
                      CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                      TorchAutocastConfig, WindowsSpecificConfig)
+from .fp8 import FP8Config
 from .zero import ZeroConfig
 
 class ShardwiseConfig(ConfigModel):
@@ -101,6 +102,8 @@ class ShardwiseConfig(ConfigModel):
     """The seed article's Windows section (see platform_keys.py)."""
     compile: CompileConfig = Field(default_factory=CompileConfig)
     """torch.compile of the model at initialize() (runtime/compile.py applies it)."""
+    fp8: FP8Config = Field(default_factory=FP8Config)
+    """FP8 matmuls for the linear layers through torchao (precision/fp8.py applies it)."""
 
     # --- accepted, kept verbatim, no effect (reasons in ignored.py) ----------------------
     tensorboard: Any = None
