@@ -321,12 +321,19 @@ def setup_ds_z2_compile(model, batches, cfg, device) -> StepFn:
     return engine_step(engine, batches)
 
 
-def _setup_shardwise_compile(model, batches, cfg, device, granularity: str) -> StepFn:
+#: The ``fp8`` section of the *_fp8 variants (torchao float8 training, tensorwise scaling).
+FP8_SECTION = {"enabled": True, "recipe": "tensorwise"}
+
+
+def _setup_shardwise_compile(model, batches, cfg, device, granularity: str,
+                             fp8: bool = False) -> StepFn:
     import shardwise
 
     set_single_process_env()
     config = engine_config(cfg, ZERO_SECTIONS["z2"])
     config["compile"] = {"enabled": True, "backend": compile_backend(), "granularity": granularity}
+    if fp8:
+        config["fp8"] = dict(FP8_SECTION)
     engine, _, _, _ = shardwise.initialize(model=model, config=config)
     _compile_check(engine.is_compiled, f"shardwise compile ({granularity})")
     return engine_step(engine, batches)
@@ -340,6 +347,21 @@ def setup_sw_z2_compile(model, batches, cfg, device) -> StepFn:
 def setup_sw_z2_compile_module(model, batches, cfg, device) -> StepFn:
     """shardwise ZeRO-2 compiling the whole model (granularity "module"), like DeepSpeed."""
     return _setup_shardwise_compile(model, batches, cfg, device, "module")
+
+
+def setup_sw_z2_fp8(model, batches, cfg, device) -> StepFn:
+    """shardwise ZeRO-2 with "fp8": decoder linears in FP8 (torchao), eager."""
+    import shardwise
+
+    set_single_process_env()
+    config = {**engine_config(cfg, ZERO_SECTIONS["z2"]), "fp8": dict(FP8_SECTION)}
+    engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    return engine_step(engine, batches)
+
+
+def setup_sw_z2_compile_fp8(model, batches, cfg, device) -> StepFn:
+    """shardwise ZeRO-2, decoder layers compiled, linears in FP8 (FP8's intended setting)."""
+    return _setup_shardwise_compile(model, batches, cfg, device, "blocks", fp8=True)
 
 
 def _bind(setup: Callable[..., StepFn], zero_key: str) -> Callable[..., StepFn]:
@@ -374,6 +396,8 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "ds_z2_compile": setup_ds_z2_compile,
     "sw_z2_compile": setup_sw_z2_compile,
     "sw_z2_compile_module": setup_sw_z2_compile_module,
+    "sw_z2_fp8": setup_sw_z2_fp8,
+    "sw_z2_compile_fp8": setup_sw_z2_compile_fp8,
 }
 
 
