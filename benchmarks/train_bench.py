@@ -115,6 +115,18 @@ def compile_backend() -> str:
     return os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
 
 
+def round_weights_to_bf16(model: torch.nn.Module) -> None:
+    """Make every fp32 weight exactly bf16-representable, in place.
+
+    DeepSpeed and shardwise cast the model to bf16 and build their fp32 masters from that
+    (so they start from bf16-rounded weights); FSDP2 and plain torch keep the fp32 init as
+    master. Rounding first gives every variant the same starting point bit for bit."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype == torch.float32:
+                p.copy_(p.to(torch.bfloat16))
+
+
 def _compile_check(compiled: bool, what: str) -> None:
     """A *_compile row must not silently measure the eager model."""
     if not compiled:
@@ -426,6 +438,7 @@ def run_worker(name: str, cfg: BenchConfig) -> dict[str, Any]:
         torch.cuda.set_device(device)
     start = time.perf_counter()
     model = build_model(cfg, device)
+    round_weights_to_bf16(model)
     n_params = count_params(model)
     flops_tok = flops_per_token(cfg, n_params, embedding_params(model))
     batches = make_batches(cfg, device)

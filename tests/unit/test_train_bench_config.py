@@ -115,3 +115,14 @@ def test_annotate_and_table_rows() -> None:
     assert results[1]["loss_max_delta"] == pytest.approx(0.5) and not results[1]["loss_agrees"]
     verdicts = {r["variant"]: r["verdict"] for r in la.table_rows(rows)}
     assert verdicts == {"fsdp2": "ok", "sw_z2": "DIFFERS"}
+
+
+def test_round_weights_to_bf16_makes_the_casts_lossless() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    before = model.weight.detach().clone()
+    tb.round_weights_to_bf16(model)
+    w = model.weight.detach()
+    assert w.dtype == torch.float32 and not torch.equal(w, before)
+    assert torch.equal(w.to(torch.bfloat16).float(), w)  # a bf16 cast no longer changes it
+    assert torch.allclose(w, before, rtol=1e-2)
