@@ -13,6 +13,9 @@ viewing the memory is freed.
     flat = pinned_empty((numel,), torch.float32)     # exact size, page-locked where possible
     gpu.copy_(flat, non_blocking=True)               # a real async H2D copy
 
+``Accelerator.pin_memory`` (the one pinning path of offload and stage 3) uses it for tensors
+of 16 MiB and more when ``SHARDWISE_EXACT_PIN=1`` is set (opt-in while it is measured).
+
 Where registration is impossible (no CUDA, a ROCm/XPU build without the binding, the driver
 refuses, e.g. RLIMIT_MEMLOCK) the buffer comes from torch's pinned allocator instead, and on
 a machine without pinning from plain memory; each fallback reason is logged once per
@@ -180,6 +183,33 @@ class ExactPinAllocator:
 
 _DEFAULT = ExactPinAllocator()
 
+#: Opt-in switch: ``Accelerator.pin_memory`` page-locks large tensors with exact-size
+#: registration instead of torch's pinned allocator ("1"/"true"/"yes" turn it on).
+EXACT_PIN_ENV = "SHARDWISE_EXACT_PIN"
+#: Below this size torch's pinned allocator is used anyway: its rounding costs little there,
+#: and each cudaHostRegister call costs about a millisecond.
+EXACT_PIN_MIN_BYTES = 16 << 20
+
+
+def exact_pin_requested() -> bool:
+    """True when SHARDWISE_EXACT_PIN asks for exact-size pinning."""
+    import os
+
+    return os.environ.get(EXACT_PIN_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def exact_pinned_copy(tensor: torch.Tensor,
+                      allocator: Optional[ExactPinAllocator] = None) -> Optional[torch.Tensor]:
+    """A contiguous exact-size pinned copy of a CPU ``tensor`` of at least
+    EXACT_PIN_MIN_BYTES; None when the tensor is smaller, on a device or not contiguous (the
+    caller then pins the usual way)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or nbytes < EXACT_PIN_MIN_BYTES or not tensor.is_contiguous():
+        return None
+    out = (allocator or _DEFAULT).empty(tuple(tensor.shape), tensor.dtype)
+    out.copy_(tensor)
+    return out
+
 
 def pinned_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32,
                  allocator: Optional[ExactPinAllocator] = None) -> torch.Tensor:
@@ -187,5 +217,5 @@ def pinned_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.fl
     return (allocator or _DEFAULT).empty(shape, dtype)
 
 
-__all__ = ["CudartRegistrar", "ExactPinAllocator", "HostRegistrar", "cudart_registrar",
-           "pinned_empty"]
+__all__ = ["CudartRegistrar", "EXACT_PIN_ENV", "ExactPinAllocator", "HostRegistrar",
+           "cudart_registrar", "exact_pin_requested", "exact_pinned_copy", "pinned_empty"]

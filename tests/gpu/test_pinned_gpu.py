@@ -44,3 +44,17 @@ def test_exact_size_pin_async_copy_and_rss() -> None:
     gc.collect()
     # freed: the registration and the mapping are gone (RSS falls back near the start)
     assert psutil.Process().memory_info().rss - rss0 < 0.5 * nbytes
+
+
+def test_accelerator_pin_memory_is_exact_under_the_switch(monkeypatch) -> None:
+    from shardwise.accelerator import get_accelerator
+    from shardwise.accelerator import pinned
+
+    src = torch.randn(40 * MIB // 4 + 7)
+    monkeypatch.setenv(pinned.EXACT_PIN_ENV, "1")
+    out = get_accelerator().pin_memory(src)
+    assert out.is_pinned() and torch.equal(out, src)
+    # exact registration: the base is our own mapping, not a torch pinned block
+    assert out.untyped_storage().nbytes() < 64 * MIB
+    monkeypatch.setenv(pinned.EXACT_PIN_ENV, "0")
+    assert get_accelerator().pin_memory(src).is_pinned()

@@ -104,3 +104,22 @@ def test_cudart_registrar_maps_error_codes() -> None:
     reg.unregister(4096)
     assert fake.calls == [("register", 4096, 8192, 0), ("register", 4096, 0, 0),
                           ("unregister", 4096)]
+
+
+def test_exact_pinned_copy_only_for_large_contiguous_cpu_tensors(monkeypatch) -> None:
+    monkeypatch.setattr(pinned, "EXACT_PIN_MIN_BYTES", 4096)
+    rec = Recorder()
+    alloc = ExactPinAllocator(registrar=rec)
+    src = torch.arange(3000, dtype=torch.float32).view(30, 100)
+    out = pinned.exact_pinned_copy(src, alloc)
+    assert out is not None and torch.equal(out, src) and out.data_ptr() != src.data_ptr()
+    assert rec.registered == [(out.data_ptr(), 12288)]
+    assert pinned.exact_pinned_copy(torch.ones(10), alloc) is None  # small: torch's allocator
+    assert pinned.exact_pinned_copy(src.t(), alloc) is None  # not contiguous
+    assert len(rec.registered) == 1
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("", False), ("0", False)])
+def test_exact_pin_switch(monkeypatch, value, on) -> None:
+    monkeypatch.setenv(pinned.EXACT_PIN_ENV, value)
+    assert pinned.exact_pin_requested() is on
