@@ -127,6 +127,28 @@ def round_weights_to_bf16(model: torch.nn.Module) -> None:
                 p.copy_(p.to(torch.bfloat16))
 
 
+def fp32_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the model's fp32 buffers (the rotary embedding's ``inv_freq``), by name."""
+    return {n: b.detach().clone() for n, b in model.named_buffers() if b.dtype == torch.float32}
+
+
+def restore_fp32_buffers(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> list[str]:
+    """Put back the fp32 buffers an engine cast to bf16; returns their names.
+
+    DeepSpeed (``module.bfloat16()``) and shardwise (``model.to(bf16)``) cast buffers with
+    the parameters, FSDP2 and autocast do not. A bf16 ``inv_freq`` shifts RoPE angles by up to
+    ~0.9 rad at position 2047 (head dim 64), a different forward from step 1 on; every variant
+    gets the fp32 buffers so that all of them compute the same function."""
+    restored = []
+    for name, buffer in list(model.named_buffers()):
+        if name in saved and buffer.dtype != torch.float32:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            owner._buffers[attr] = saved[name].to(buffer.device)
+            restored.append(name)
+    return restored
+
+
 def _compile_check(compiled: bool, what: str) -> None:
     """A *_compile row must not silently measure the eager model."""
     if not compiled:
@@ -442,10 +464,13 @@ def run_worker(name: str, cfg: BenchConfig) -> dict[str, Any]:
     n_params = count_params(model)
     flops_tok = flops_per_token(cfg, n_params, embedding_params(model))
     batches = make_batches(cfg, device)
+    buffers = fp32_buffers(model)
     step = VARIANTS[name](model, batches, cfg, device)
+    restored = restore_fp32_buffers(model, buffers)
     measurement = measure(step, cfg, device, setup_s=time.perf_counter() - start)
     return {"variant": name, "n_params": n_params, "flops_per_token": flops_tok,
             "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "restored_fp32_buffers": restored,
             **summarize(measurement, cfg, flops_tok), "env": environment_report(device)}
 
 

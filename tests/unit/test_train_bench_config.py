@@ -126,3 +126,20 @@ def test_round_weights_to_bf16_makes_the_casts_lossless() -> None:
     assert w.dtype == torch.float32 and not torch.equal(w, before)
     assert torch.equal(w.to(torch.bfloat16).float(), w)  # a bf16 cast no longer changes it
     assert torch.allclose(w, before, rtol=1e-2)
+
+
+def test_fp32_buffers_cast_by_an_engine_are_restored() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=64))
+    saved = tb.fp32_buffers(model)
+    exact = model.model.rotary_emb.inv_freq.clone()
+    model.to(torch.bfloat16)  # what DeepSpeed's and shardwise's bf16 setup do
+    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    restored = tb.restore_fp32_buffers(model, saved)
+    assert "model.rotary_emb.inv_freq" in restored
+    assert torch.equal(model.model.rotary_emb.inv_freq, exact)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16  # parameters untouched
+    assert tb.restore_fp32_buffers(model, saved) == []  # nothing left to restore
