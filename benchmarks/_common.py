@@ -55,6 +55,16 @@ class BenchConfig:
     """Peak FLOP/s that MFU is measured against."""
     lr: float = 1e-4
     """AdamW learning rate for every variant."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas for every variant (DeepSpeed's FusedAdam and torch's AdamW default)."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon for every variant (both libraries' default, set explicitly anyway)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay for every variant. Set explicitly because the defaults differ:
+    torch.optim.AdamW decays by 0.01, DeepSpeed's FusedAdam (its "AdamW") by 0."""
+    grad_clip: float = 0.0
+    """Global-norm gradient clipping for every variant; 0 = none. Set explicitly because
+    DeepSpeed >= 0.19.6 clips at 1.0 when the config says nothing, torch/FSDP2 never do."""
     seed: int = 1234
     """Seed for the weights and the token ids, so every variant sees the same problem."""
     nproc: int = 1
@@ -70,7 +80,10 @@ class BenchConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "BenchConfig":
-        return cls(**json.loads(text))
+        data = json.loads(text)
+        if "betas" in data:  # JSON has no tuples
+            data["betas"] = tuple(data["betas"])
+        return cls(**data)
 
 
 def add_shape_args(parser: Any, *, layers: bool = True, **defaults: int) -> None:
@@ -197,6 +210,8 @@ class Measurement:
 
     step_times: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    warmup_losses: list[float] = field(default_factory=list)
+    """Losses of the untimed warm-up steps; with ``losses`` the curve from the first step."""
     gpu_peak_gib: float | None = None
     setup_gpu_peak_gib: float | None = None
     host_rss_peak_gib: float | None = None
@@ -221,7 +236,7 @@ def measure(
         torch.cuda.reset_peak_memory_stats(device)
     with HostRssSampler() as rss:
         for _ in range(cfg.warmup):
-            step()
+            result.warmup_losses.append(float(step().detach().float().item()))
         synchronize(device)
         for _ in range(cfg.steps):
             start = time.perf_counter()
@@ -252,6 +267,9 @@ def summarize(m: Measurement, cfg: BenchConfig, flops_tok: float) -> dict[str, A
         "setup_s": m.setup_s,
         "loss_first": m.losses[0] if m.losses else None,
         "loss_last": m.losses[-1] if m.losses else None,
+        # one loss per optimizer step from the very first (warm-up included): the curve the
+        # loss-agreement table compares between variants
+        "loss_curve": m.warmup_losses + m.losses,
         "step_times": m.step_times,
     }
 

@@ -130,13 +130,14 @@ def _tree_rss(proc: psutil.Process) -> int:
 
 
 def run_guarded(argv: list[str], log_path: Path, timeout_s: float,
-                min_free_gib: float) -> tuple[str, float, float]:
+                min_free_gib: float, extra_env: dict[str, str] | None = None) -> tuple[str, float, float]:
     """Run ``argv``; ('ok'|'failed'|'timeout'|'host-oom', wall seconds, min available GiB)."""
     start = time.perf_counter()
     low = psutil.virtual_memory().available
     with log_path.open("w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                env=tb._worker_env(1), cwd=str(BENCH_DIR.parent))
+                                env={**tb._worker_env(1), **(extra_env or {})},
+                                cwd=str(BENCH_DIR.parent))
         status = None
         while status is None:
             try:
@@ -162,7 +163,10 @@ def run_trial_subprocess(framework: str, cfg: BenchConfig, args: argparse.Namesp
     log_path = log_dir / f"{framework}_{cfg.layers}.log"
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", framework,
             "--config-json", cfg.to_json()]
-    status, wall, low = run_guarded(argv, log_path, args.timeout, args.min_free_gib)
+    # --exact-pin: shardwise's pinned host buffers (offload, stage 3) page-lock exactly their
+    # size (accelerator/pinned.py) instead of going through torch's rounding allocator
+    extra = {"SHARDWISE_EXACT_PIN": "1"} if framework == "sw" and args.exact_pin else None
+    status, wall, low = run_guarded(argv, log_path, args.timeout, args.min_free_gib, extra)
     result: dict[str, Any] | None = None
     for line in log_path.read_text(errors="replace").splitlines():
         if line.startswith(RESULT_MARKER):
@@ -217,6 +221,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-free-gib", type=float, default=2.0,
                    help="kill a trial when the machine's available memory falls below this")
     p.add_argument("--ds-prebuild", action="store_true", help="JIT-build DeepSpeed's CPU Adam first")
+    p.add_argument("--exact-pin", action="store_true",
+                   help="shardwise trials pin host buffers at their exact size (cudaHostRegister; "
+                        "sets SHARDWISE_EXACT_PIN=1 for them)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", BENCH_DIR.parent / "out"))
                    / "scale_bench.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -252,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 if row.get("error"):
                     break  # larger models of this framework will not fit either
     print(f"\nhost RAM {host_total:.1f} GiB; ZeRO-3 + offload_param + offload_optimizer (cpu, "
-          f"pinned), bf16, micro batch {args.micro_batch} x {args.seq}")
+          f"pinned{', shardwise exact-size' if args.exact_pin else ''}), bf16, micro batch {args.micro_batch} x {args.seq}")
     print(format_table(results, TABLE_COLUMNS))
     for fw in FRAMEWORKS:
         ok = [r for r in results if r["framework"] == fw and not r.get("error")]

@@ -46,6 +46,13 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import torch  # noqa: E402
 
+from _loss_agreement import (  # noqa: E402
+    AGREEMENT_COLUMNS,
+    DEFAULT_TOLERANCE,
+    annotate,
+    loss_agreement,
+    table_rows,
+)
 from _common import (  # noqa: E402
     BenchConfig,
     add_shape_args,
@@ -110,6 +117,40 @@ def compile_backend() -> str:
     return os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
 
 
+def round_weights_to_bf16(model: torch.nn.Module) -> None:
+    """Make every fp32 weight exactly bf16-representable, in place.
+
+    DeepSpeed and shardwise cast the model to bf16 and build their fp32 masters from that
+    (so they start from bf16-rounded weights); FSDP2 and plain torch keep the fp32 init as
+    master. Rounding first gives every variant the same starting point bit for bit."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype == torch.float32:
+                p.copy_(p.to(torch.bfloat16))
+
+
+def fp32_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the model's fp32 buffers (the rotary embedding's ``inv_freq``), by name."""
+    return {n: b.detach().clone() for n, b in model.named_buffers() if b.dtype == torch.float32}
+
+
+def restore_fp32_buffers(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> list[str]:
+    """Put back the fp32 buffers an engine cast to bf16; returns their names.
+
+    DeepSpeed (``module.bfloat16()``) and shardwise (``model.to(bf16)``) cast buffers with
+    the parameters, FSDP2 and autocast do not. A bf16 ``inv_freq`` shifts RoPE angles by up to
+    ~0.9 rad at position 2047 (head dim 64), a different forward from step 1 on; every variant
+    gets the fp32 buffers so that all of them compute the same function."""
+    restored = []
+    for name, buffer in list(model.named_buffers()):
+        if name in saved and buffer.dtype != torch.float32:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            owner._buffers[attr] = saved[name].to(buffer.device)
+            restored.append(name)
+    return restored
+
+
 def _compile_check(compiled: bool, what: str) -> None:
     """A *_compile row must not silently measure the eager model."""
     if not compiled:
@@ -117,16 +158,38 @@ def _compile_check(compiled: bool, what: str) -> None:
                            f"this row would measure eager code")
 
 
+def adamw_kwargs(cfg: BenchConfig) -> dict[str, Any]:
+    """The AdamW hyperparameters of every variant, spelled out: the libraries' defaults differ
+    (torch's AdamW decays weights by 0.01, DeepSpeed's FusedAdam by 0)."""
+    return {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.adam_eps,
+            "weight_decay": cfg.weight_decay}
+
+
+def clip_gradients(model: torch.nn.Module, cfg: BenchConfig) -> None:
+    """Global-norm clipping for the hand-written loops, as the engines do for gradient_clipping."""
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+
+
 def engine_config(cfg: BenchConfig, zero: dict[str, Any]) -> dict[str, Any]:
-    """A ds_config dict: bf16, AdamW, the run's micro batch and accumulation, one ZeRO stage."""
+    """A ds_config dict: bf16, AdamW, the run's micro batch and accumulation, one ZeRO stage.
+
+    Everything that decides what is learned is explicit, because DeepSpeed's and shardwise's
+    defaults differ: gradient_clipping (DeepSpeed >= 0.19.6 clips at 1.0 unless told, shardwise
+    at 0), AdamW's weight decay / eps / betas / bias correction, and the gradient accumulation
+    dtype (DeepSpeed accumulates bf16 gradients in bf16 by default, shardwise and FSDP2 in fp32).
+    """
     zero = dict(zero)
     top = zero.pop("_top", {})
     return {
+        "data_types": {"grad_accum_dtype": "fp32"},
         **top,
         "train_micro_batch_size_per_gpu": cfg.micro_batch,
         "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.grad_clip,
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr}},
+        "optimizer": {"type": "AdamW",
+                      "params": {**adamw_kwargs(cfg), "betas": list(cfg.betas)}},
         "zero_optimization": zero,
         # The table is the output; per-step log lines would only bury it.
         "steps_per_print": 1_000_000,
@@ -160,7 +223,7 @@ def backend_for(device: torch.device) -> str:
 # optimizer step (all grad_accum micro batches) and returns the last micro batch's loss.
 # ---------------------------------------------------------------------------------------------
 def _autocast_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
-                   batches: list[torch.Tensor], device: torch.device,
+                   batches: list[torch.Tensor], cfg: BenchConfig, device: torch.device,
                    sync_context: Callable[[bool], Any]) -> StepFn:
     """fp32 parameters under bf16 autocast; ``sync_context(last)`` wraps each micro batch."""
     def step() -> torch.Tensor:
@@ -169,6 +232,7 @@ def _autocast_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
                 with torch.autocast(device.type, dtype=torch.bfloat16):
                     loss = model(input_ids=x, labels=x).loss
                 (loss / len(batches)).backward()
+        clip_gradients(model, cfg)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -179,8 +243,8 @@ def _autocast_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
 def setup_torch(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,
                 device: torch.device) -> StepFn:
     """Plain PyTorch: fp32 parameters, bf16 autocast, fused AdamW."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-    return _autocast_step(model, opt, batches, device, lambda last: contextlib.nullcontext())
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(cfg), fused=True)
+    return _autocast_step(model, opt, batches, cfg, device, lambda last: contextlib.nullcontext())
 
 
 def setup_ddp(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchConfig,
@@ -192,9 +256,9 @@ def setup_ddp(model: torch.nn.Module, batches: list[torch.Tensor], cfg: BenchCon
     set_single_process_env()
     dist.init_process_group(backend_for(device))
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(cfg), fused=True)
     # gradients are all-reduced on the last micro batch only
-    return _autocast_step(ddp, opt, batches, device,
+    return _autocast_step(ddp, opt, batches, cfg, device,
                           lambda last: contextlib.nullcontext() if last else ddp.no_sync())
 
 
@@ -214,14 +278,16 @@ def _setup_fsdp2(model: torch.nn.Module, batches: list[torch.Tensor], cfg: Bench
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(cfg), fused=True)
 
     def step() -> torch.Tensor:
         for i, x in enumerate(batches):
-            # FSDP2's own accumulation idiom: reduce gradients only on the last micro batch.
+            # FSDP2's own accumulation idiom: reduce gradients only on the last micro batch
+            # (unsharded gradients accumulate in reduce_dtype, fp32, in between).
             model.set_requires_gradient_sync(i == len(batches) - 1)
             loss = model(input_ids=x, labels=x).loss
             (loss / len(batches)).backward()
+        clip_gradients(model, cfg)  # DTensor gradients: clip_grad_norm_ reduces the norm
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -291,12 +357,19 @@ def setup_ds_z2_compile(model, batches, cfg, device) -> StepFn:
     return engine_step(engine, batches)
 
 
-def _setup_shardwise_compile(model, batches, cfg, device, granularity: str) -> StepFn:
+#: The ``fp8`` section of the *_fp8 variants (torchao float8 training, tensorwise scaling).
+FP8_SECTION = {"enabled": True, "recipe": "tensorwise"}
+
+
+def _setup_shardwise_compile(model, batches, cfg, device, granularity: str,
+                             fp8: bool = False) -> StepFn:
     import shardwise
 
     set_single_process_env()
     config = engine_config(cfg, ZERO_SECTIONS["z2"])
     config["compile"] = {"enabled": True, "backend": compile_backend(), "granularity": granularity}
+    if fp8:
+        config["fp8"] = dict(FP8_SECTION)
     engine, _, _, _ = shardwise.initialize(model=model, config=config)
     _compile_check(engine.is_compiled, f"shardwise compile ({granularity})")
     return engine_step(engine, batches)
@@ -338,6 +411,16 @@ def _setup_shardwise_monitors(model, batches, cfg, device, wall_clock: bool) -> 
     return engine_step(engine, batches)
 
 
+def setup_sw_z2_fp8(model, batches, cfg, device) -> StepFn:
+    """shardwise ZeRO-2 with "fp8": decoder linears in FP8 (torchao), eager."""
+    import shardwise
+
+    set_single_process_env()
+    config = {**engine_config(cfg, ZERO_SECTIONS["z2"]), "fp8": dict(FP8_SECTION)}
+    engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    return engine_step(engine, batches)
+
+
 def setup_sw_z2_monitors(model, batches, cfg, device) -> StepFn:
     """shardwise ZeRO-2 with the CSV monitor (loss, lr, grad norm, throughput, memory)."""
     return _setup_shardwise_monitors(model, batches, cfg, device, wall_clock=False)
@@ -346,6 +429,11 @@ def setup_sw_z2_monitors(model, batches, cfg, device) -> StepFn:
 def setup_sw_z2_wallclock(model, batches, cfg, device) -> StepFn:
     """sw_z2_monitors plus wall_clock_breakdown (syncs around every phase: slower by design)."""
     return _setup_shardwise_monitors(model, batches, cfg, device, wall_clock=True)
+
+
+def setup_sw_z2_compile_fp8(model, batches, cfg, device) -> StepFn:
+    """shardwise ZeRO-2, decoder layers compiled, linears in FP8 (FP8's intended setting)."""
+    return _setup_shardwise_compile(model, batches, cfg, device, "blocks", fp8=True)
 
 
 def _bind(setup: Callable[..., StepFn], zero_key: str) -> Callable[..., StepFn]:
@@ -382,6 +470,8 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "sw_z2_compile_module": setup_sw_z2_compile_module,
     "sw_z2_monitors": setup_sw_z2_monitors,
     "sw_z2_wallclock": setup_sw_z2_wallclock,
+    "sw_z2_fp8": setup_sw_z2_fp8,
+    "sw_z2_compile_fp8": setup_sw_z2_compile_fp8,
 }
 
 
@@ -410,13 +500,17 @@ def run_worker(name: str, cfg: BenchConfig) -> dict[str, Any]:
         torch.cuda.set_device(device)
     start = time.perf_counter()
     model = build_model(cfg, device)
+    round_weights_to_bf16(model)
     n_params = count_params(model)
     flops_tok = flops_per_token(cfg, n_params, embedding_params(model))
     batches = make_batches(cfg, device)
+    buffers = fp32_buffers(model)
     step = VARIANTS[name](model, batches, cfg, device)
+    restored = restore_fp32_buffers(model, buffers)
     measurement = measure(step, cfg, device, setup_s=time.perf_counter() - start)
     return {"variant": name, "n_params": n_params, "flops_per_token": flops_tok,
             "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "restored_fp32_buffers": restored,
             **summarize(measurement, cfg, flops_tok), "env": environment_report(device)}
 
 
@@ -594,7 +688,20 @@ TABLE_COLUMNS = [
     ("x_ds", "x ds", ".2f"),
     # Same weights and data everywhere, so a last loss far from torch's flags a broken variant.
     ("loss_last", "last loss", ".4f"),
+    ("loss_max_delta", "max |Δloss|", ".4f"),  # filled by --loss-steps
 ]
+
+
+def print_agreement(agreement: list[Any], tolerance: float) -> None:
+    """The loss-agreement table, and a warning line naming the variants that learn otherwise."""
+    print(f"\nloss agreement: per-step loss vs {agreement[0].reference} over the first "
+          f"{max(a.steps for a in agreement)} optimizer steps (same weights, data and "
+          f"optimizer settings; tolerance {tolerance:g})")
+    print(format_table(table_rows(agreement), AGREEMENT_COLUMNS))
+    differ = [a.variant for a in agreement if not a.agrees]
+    if differ:
+        print(f"WARNING: {', '.join(differ)} learn(s) differently from {agreement[0].reference}; "
+              f"their tokens/s ratios do not compare the same computation")
 
 
 def write_json(path: Path | None, cfg: BenchConfig, results: list[dict[str, Any]],
@@ -623,6 +730,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="micro batches per optimizer step; tokens/s counts all of them")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed optimizer steps")
     p.add_argument("--steps", type=int, default=d.steps, help="timed optimizer steps")
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip,
+                   help="global-norm gradient clipping of every variant (0 = none; DeepSpeed's "
+                        "own default of 1.0 is overridden so all variants clip alike)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="AdamW weight decay of every variant")
+    p.add_argument("--loss-steps", type=int, default=0,
+                   help="print the loss-agreement table over the first N optimizer steps "
+                        "(warm-up included; --steps is raised so every variant runs N steps)")
+    p.add_argument("--loss-ref", default=None,
+                   help="reference variant of the loss-agreement table (default: fsdp2, "
+                        "sw_z2, ds_z2, torch or ddp, the first one run)")
+    p.add_argument("--loss-tol", type=float, default=DEFAULT_TOLERANCE,
+                   help="largest max |Δloss| against the reference that counts as bf16 noise")
     p.add_argument("--device", choices=["cuda", "cpu"], default=d.device)
     p.add_argument("--nproc", type=int, default=d.nproc,
                    help="processes (GPUs) per variant, started through the shardwise launcher")
@@ -649,8 +769,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
                        heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab, seq=args.seq,
                        micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-                       warmup=args.warmup, steps=args.steps, device=args.device, nproc=args.nproc,
-                       peak_flops=args.peak_tflops * 1e12)
+                       warmup=args.warmup, steps=max(args.steps, args.loss_steps - args.warmup),
+                       device=args.device, nproc=args.nproc, peak_flops=args.peak_tflops * 1e12,
+                       grad_clip=args.grad_clip, weight_decay=args.weight_decay)
 
 
 def check_args(args: argparse.Namespace, names: list[str]) -> None:
@@ -661,6 +782,10 @@ def check_args(args: argparse.Namespace, names: list[str]) -> None:
               "grad_accum", "steps"):
         if getattr(args, f) < 1:
             raise SystemExit(f"--{f.replace('_', '-')} must be >= 1, got {getattr(args, f)}")
+    if args.loss_steps < 0 or args.grad_clip < 0 or args.weight_decay < 0:
+        raise SystemExit("--loss-steps, --grad-clip and --weight-decay must be >= 0")
+    if args.loss_ref and args.loss_ref not in names:
+        raise SystemExit(f"--loss-ref {args.loss_ref!r} is not among --variants {names}")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         raise SystemExit(f"--hidden ({args.hidden}) must divide by --heads ({args.heads}) and "
                          f"--heads by --kv-heads ({args.kv_heads})")
@@ -712,6 +837,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_ratios(results)
     extra.update(monitor_overhead(results))
+    agreement = (loss_agreement(results, args.loss_steps, args.loss_ref, args.loss_tol)
+                 if args.loss_steps else [])
+    annotate(results, agreement)
+    extra["loss_agreement"] = table_rows(agreement)
     write_json(args.out, cfg, results, extra)
     n_params = next((r["n_params"] for r in results if "n_params" in r), None)
     print()
@@ -722,6 +851,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results, TABLE_COLUMNS))
     for key, value in monitor_overhead(results).items():
         print(f"{key}: {value:+.2%} mean step time vs sw_z2 (target <= +1% for monitors)")
+    if agreement:
+        print_agreement(agreement, args.loss_tol)
     if args.out is not None:
         print(f"\nresults: {args.out}")
     if tmp is not None:

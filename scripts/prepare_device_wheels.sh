@@ -13,7 +13,8 @@
 # them except hjson and pydantic (and pydantic's own needs). typing-extensions is in the image,
 # but pydantic 2.13 needs >=4.14.1, so a recent one travels too; it shadows the image's copy for
 # every import, which is fine because newer typing-extensions stays backward compatible
-# (torch 2.11 and transformers 5.17 need only >=4.10).
+# (torch 2.11 and transformers 5.17 need only >=4.10). torchao (see BINARY_PINS) is optional
+# for shardwise; it travels so the fp8 benchmarks and GPU tests can run there.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,6 +31,11 @@ BINARY_PINS=(
     "annotated-types==0.7.0"
     "typing-inspection==0.4.2"
     "typing-extensions==4.16.0"
+    # torchao for the "fp8" section (float8 training is pure Python over torch._scaled_mm).
+    # 0.17.0 is the release built against torch 2.11 (the device's torch; its __init__ loads
+    # its optional .so kernels only for torch >= 2.11). The wheel declares no torch
+    # requirement, so the --no-deps install never brings a torch wheel.
+    "torchao==0.17.0"
 )
 
 PLATFORM_ARGS=(

@@ -109,6 +109,11 @@ class Accelerator:
         otherwise turn a 4.4 GB buffer into 8 GiB of locked RAM."""
         if not self.pin_memory_supported():
             return tensor
+        if self.kind == "cuda":  # SHARDWISE_EXACT_PIN=1: exact-size cudaHostRegister'd copies
+            from .pinned import exact_pin_requested, exact_pinned_copy
+            exact = exact_pinned_copy(tensor) if exact_pin_requested() else None
+            if exact is not None:
+                return exact
         exact_large_pinned_blocks(self.kind)
         return tensor.pin_memory()
 

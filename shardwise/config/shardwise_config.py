@@ -18,6 +18,7 @@ from .models import (ActivationCheckpointingConfig, AioConfig, BF16Config, Check
                      TorchAutocastConfig, WindowsSpecificConfig)
 from .monitor import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from .profiling import CommsLoggerConfig, FlopsProfilerConfig
+from .fp8 import FP8Config
 from .zero import ZeroConfig
 
 class ShardwiseConfig(ConfigModel):
@@ -115,6 +116,8 @@ class ShardwiseConfig(ConfigModel):
     """Weights & Biases monitor (shardwise.monitor)."""
     comet: CometConfig = Field(default_factory=CometConfig)
     """Comet monitor (shardwise.monitor)."""
+    fp8: FP8Config = Field(default_factory=FP8Config)
+    """FP8 matmuls for the linear layers through torchao (precision/fp8.py applies it)."""
 
     # --- accepted, kept verbatim, no effect (reasons in ignored.py) ----------------------
     autotuning: Any = None

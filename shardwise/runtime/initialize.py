@@ -182,6 +182,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
     if cfg.zero_optimization.stage < 3:
         dtype = cfg.compute_dtype if not cfg.torch_autocast.enabled else torch.float32
         model.to(device=device, dtype=dtype)
+    if cfg.fp8.enabled:  # swaps modules, keeps the Parameter objects (and so the param groups)
+        _apply_fp8(cfg, model, device)
     # stage 3 with optimizer offload steps CPU masters: pick the CPU's fused kernels
     zero = cfg.zero_optimization
     opt_device = (torch.device("cpu") if zero.stage == 3 and zero.offload_optimizer_device == "cpu"
@@ -217,6 +219,14 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
              f"micro batch {cfg.train_micro_batch_size_per_gpu} x GA "
              f"{cfg.gradient_accumulation_steps} = {cfg.train_batch_size}", ranks=[0])
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _apply_fp8(cfg: ShardwiseConfig, model: torch.nn.Module, device: torch.device) -> None:
+    from ..precision.fp8 import apply_fp8
+    plan = apply_fp8(model, cfg.fp8.recipe, cfg.fp8.skip_modules, device,
+                     cfg.zero_optimization.stage)
+    log_dist(f"fp8: {len(plan.convert)} linear layers use FP8 matmuls (recipe "
+             f"{cfg.fp8.recipe!r}), {len(plan.skipped)} stay in high precision", ranks=[0])
 
 
 def _configure_activation_checkpointing(cfg: ShardwiseConfig, model: torch.nn.Module) -> None:

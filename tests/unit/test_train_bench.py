@@ -22,7 +22,8 @@ def test_train_bench_tiny_cpu(tmp_path: Path, nproc: int, variants: str) -> None
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "train_bench.py"), *TINY,
-         "--nproc", str(nproc), "--variants", variants, "--out", str(out), "--timeout", "150"],
+         "--nproc", str(nproc), "--variants", variants, "--out", str(out), "--timeout", "150",
+         "--loss-steps", "3"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
         env={**os.environ, "OUT": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -31,6 +32,7 @@ def test_train_bench_tiny_cpu(tmp_path: Path, nproc: int, variants: str) -> None
     for name, row in rows.items():
         assert "error" not in row, row
         assert row["tokens_per_s"] > 0 and len(row["step_times"]) == 2
+        assert len(row["loss_curve"]) == 3  # warm-up step included
         assert row["world_size"] == nproc
     # same weights and data: shardwise ZeRO-2 tracks the plain-torch baseline
     base = rows.get("torch") or rows["ddp"]
@@ -42,3 +44,8 @@ def test_train_bench_tiny_cpu(tmp_path: Path, nproc: int, variants: str) -> None
         lines = (tmp_path / "monitors" / "sw_z2_monitors" /
                  "Train_Samples_train_loss.csv").read_text().splitlines()
         assert lines[0] == "step,train_loss" and len(lines) == 1 + 3  # warm-up + timed steps
+    # --loss-steps: the agreement table, every variant within bf16 noise of the reference
+    agreement = json.loads(out.read_text())["loss_agreement"]
+    assert {a["variant"] for a in agreement} == set(rows)
+    assert all(a["verdict"] == "ok" and a["steps"] == 3 for a in agreement), agreement
+    assert "loss agreement" in proc.stdout
