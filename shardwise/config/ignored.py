@@ -18,7 +18,6 @@ IGNORED_SECTIONS: Dict[str, str] = {
     "comet": "shardwise does not write monitor events; log engine metrics yourself",
     "flops_profiler": "use torch.profiler or torch.utils.flop_counter.FlopCounterMode",
     "comms_logger": "use TORCH_DISTRIBUTED_DEBUG=DETAIL or torch.profiler to see collectives",
-    "autotuning": "there is no autotuner; use `shardwise report` and the memory estimators",
     "elasticity": "batch sizes come from train_batch_size / train_micro_batch_size_per_gpu / "
                   "gradient_accumulation_steps; the launcher's elastic agent restarts jobs",
     "compression_training": "DeepSpeed Compression needs its own kernels and is not implemented",

@@ -17,6 +17,7 @@ from .models import (ActivationCheckpointingConfig, AioConfig, BF16Config, Check
                      CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                      TorchAutocastConfig, WindowsSpecificConfig)
 from .zero import ZeroConfig
+from .autotuning import AutotuningConfig
 
 class ShardwiseConfig(ConfigModel):
     """A validated DeepSpeed-compatible training config."""
@@ -84,6 +85,8 @@ class ShardwiseConfig(ConfigModel):
     """The seed article's Windows section (see platform_keys.py)."""
     compile: CompileConfig = Field(default_factory=CompileConfig)
     """torch.compile of the model at initialize() (runtime/compile.py applies it)."""
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    """DeepSpeed's autotuner section (shardwise/autotuning; the engine reads the profile steps)."""
 
     # --- accepted, kept verbatim, no effect (reasons in ignored.py) ----------------------
     tensorboard: Any = None
@@ -97,8 +100,6 @@ class ShardwiseConfig(ConfigModel):
     flops_profiler: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     comms_logger: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    autotuning: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     elasticity: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
@@ -162,6 +163,11 @@ class ShardwiseConfig(ConfigModel):
     _world_size: int = PrivateAttr(default=1)
     _auto_paths: FrozenSet[str] = PrivateAttr(default_factory=frozenset)
     _notes: List[str] = PrivateAttr(default_factory=list)
+
+    @field_validator("autotuning", mode="before")
+    @classmethod
+    def _null_autotuning(cls, value: Any) -> Any:
+        return {} if value is None or value is False else value
 
     @field_validator("compile", mode="before")
     @classmethod

@@ -63,6 +63,8 @@ class ShardwiseEngine(torch.nn.Module):
         self.timers = Timers(bool(config.wall_clock_breakdown))
         self.step_logger = StepLogger(config.steps_per_print, self.train_batch_size(), self.timers)
         self._empty_cache_after_step = bool(getattr(config, "empty_cache_after_step", False))
+        from ..autotuning.engine_probe import make_probe
+        self._autotuning_probe = make_probe(config)  # None unless the autotuner runs this
 
     # --- attribute fall-through ------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -102,12 +104,16 @@ class ShardwiseEngine(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
+        if self._autotuning_probe is not None:
+            self._autotuning_probe.on_forward(self, args, kwargs)
         self.timers.start("forward")
         ctx = (torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
                if self._autocast_dtype is not None else contextlib.nullcontext())
         with ctx:
             out = self.module(*args, **kwargs)
         self.timers.stop("forward")
+        if self._autotuning_probe is not None:
+            self._autotuning_probe.after_forward(self)
         return out
 
     # --- backward ------------------------------------------------------------------------------
@@ -172,6 +178,8 @@ class ShardwiseEngine(torch.nn.Module):
             scale = self.loss_scaler.cur_scale if self.loss_scaler is not None else None
             self.step_logger.on_step(self.global_steps, lrs, scale, self.skipped_steps)
         self.micro_steps += 1
+        if boundary and self._autotuning_probe is not None:
+            self._autotuning_probe.after_step(self)
 
     def _take_optimizer_step(self, lr_kwargs: Optional[dict]) -> None:
         grads = self.strategy.master_grads()
