@@ -115,6 +115,17 @@ def _classify(rc: int, timed_out: bool, metrics_file: Path, stderr_file: Path, s
     return "error", f"exit code {rc}: {err}"[:400]
 
 
+def _same_experiment(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """Equal configs, where the result paths (which follow exps_dir around) do not count."""
+    def strip(cfg: Dict[str, Any]) -> Dict[str, Any]:
+        cfg = dict(cfg)
+        section = {k: v for k, v in dict(cfg.get("autotuning") or {}).items()
+                   if k not in ("metric_path", "model_info_path")}
+        cfg["autotuning"] = section
+        return cfg
+    return strip(a) == strip(b)
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """Stop a trial's launcher and every worker under it (any OS)."""
     try:
@@ -148,7 +159,7 @@ class TrialRunner:
             try:
                 stored = json.loads((folder / "ds_config.json").read_text(encoding="utf-8"))
                 data = json.loads(result_file.read_text(encoding="utf-8"))
-                if stored == ds_config or not self.overwrite:
+                if _same_experiment(stored, ds_config) or not self.overwrite:
                     data["reused"] = True
                     return TrialResult(**data)
             except (OSError, ValueError, TypeError):
