@@ -73,6 +73,8 @@ class Autotuner:
         self.best: Optional[Record] = None
         self._since_best = 0
         self._start = 0.0
+        self._grid_left = space.grid_size()
+        self._pruned = 0
 
     # --- one experiment ------------------------------------------------------------------
     def _autotuning_section(self, exp: Experiment) -> Dict[str, Any]:
@@ -196,6 +198,19 @@ class Autotuner:
         stopped = stopped or self._stop_reason() or "space exhausted"
         outcome = TuneOutcome(self.best, self.records, time.perf_counter() - self._start,
                               self._pruned, stopped)
+        self.write_results(outcome)
+        return outcome
+
+    def exhaustive(self) -> TuneOutcome:
+        """Every experiment of the space, no pruning, no early stop (the benchmark's grid)."""
+        self._start = time.perf_counter()
+        self._grid_left, self._pruned = self.space.grid_size(), 0
+        for choice in self.space.choices():
+            for exp in self.space.experiments(choice):
+                self.run_experiment(exp)
+                self._grid_left -= 1
+        outcome = TuneOutcome(self.best, self.records, time.perf_counter() - self._start, 0,
+                              "grid exhausted")
         self.write_results(outcome)
         return outcome
 

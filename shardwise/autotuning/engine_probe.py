@@ -95,10 +95,13 @@ class EngineProbe:
         """Before a forward: start the clock at the first forward of step ``start_step``."""
         if self._tokens is None:
             self._tokens = _tokens_per_sample(args, kwargs)
+            if self.model_info:  # the profiling run measures its very first forward
+                _sync()
+                self._mem_before = _allocated()
+                return
         if self._t0 is None and engine.global_steps == self.start_step:
             _sync()
             self._t0 = time.perf_counter()
-            self._mem_before = _allocated()
 
     def after_forward(self, engine: Any) -> None:
         """After a forward: the profiling run measures its activations, writes and exits."""

@@ -242,3 +242,17 @@ def test_engine_writes_metrics_and_exits_after_end_profile_step(tmp_path):
     data = json.loads(metrics.read_text())
     assert data["train_batch_size"] == 4 and data["profiled_steps"] == 2
     assert data["throughput"] == pytest.approx(4 / data["latency"]) and data["peak_memory"] > 0
+
+
+def test_profiling_run_writes_model_info_after_the_first_forward(tmp_path):
+    info_path = tmp_path / "model_info.json"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "autotuning": {"enabled": True, "model_info": {"profile": True},
+                          "model_info_path": str(info_path)}}
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    with pytest.raises(SystemExit):
+        engine(torch.randn(2, 8))
+    info = json.loads(info_path.read_text())
+    assert info["num_params"] == 8 * 8 + 8 + 8 * 2 + 2 and info["micro_batch_size"] == 2
+    assert info["activation_mem_per_gpu"] == 0  # a CPU has no allocator statistics
