@@ -109,8 +109,8 @@ class EngineProbe:
             return
         _sync()
         params = list(engine.module.parameters())
-        info = {"num_params": sum(p.numel() for p in params),
-                "trainable_num_params": sum(p.numel() for p in params if p.requires_grad),
+        info = {"num_params": sum(map(full_numel, params)),
+                "trainable_num_params": sum(full_numel(p) for p in params if p.requires_grad),
                 "activation_mem_per_gpu": max(_allocated() - self._mem_before, 0),
                 "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
                 "tokens_per_sample": self._tokens, "shape": _shape_of(engine.module)}
@@ -128,7 +128,7 @@ class EngineProbe:
         steps = self.end_step - self.start_step + 1
         latency = elapsed / steps
         batch = engine.train_batch_size()
-        params = sum(p.numel() for p in engine.module.parameters())
+        params = sum(map(full_numel, engine.module.parameters()))
         flops = None
         if self._tokens is not None:
             recompute = getattr(getattr(engine.config, "activation_checkpointing", None), "modules", None)
@@ -152,15 +152,21 @@ class EngineProbe:
         print(f"autotuning: wrote {self.path}", flush=True)
 
 
+def full_numel(p: torch.Tensor) -> int:
+    """Elements of the whole parameter, also while ZeRO-3 holds only a shard of it."""
+    return int(getattr(p, "sw_numel", p.numel()))
+
+
 def _shape_of(module: torch.nn.Module) -> Dict[str, Any]:
-    """The transformer shape the memory estimator understands (empty without a config)."""
+    """The transformer shape the memory estimator understands, and the largest module's
+    parameter count (what ZeRO-3 gathers at once)."""
+    largest = max((sum(full_numel(p) for p in m.parameters(recurse=False)) for m in module.modules()),
+                  default=0)
     config = getattr(module, "config", None)
     if config is None:
-        return {}
-    from ..profiling.memory_estimator import _config_shape, model_to_params
-    shape = _config_shape(config)
-    shape["largest_layer_params"] = model_to_params(module)[1]
-    return shape
+        return {"largest_layer_params": largest}
+    from ..profiling.memory_estimator import _config_shape
+    return {**_config_shape(config), "largest_layer_params": largest}
 
 
 def _exit() -> None:

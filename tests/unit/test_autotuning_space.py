@@ -57,6 +57,7 @@ def test_bad_autotuning_keys_are_clear_config_errors(section, words):
         assert word in str(err.value)
 
 
+@pytest.mark.windows
 def test_base64_config_longer_than_a_file_name_loads():
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "autotuning": {"enabled": True, "metric_path": "/tmp/" + "x" * 300 + "/metrics.json"}}
@@ -145,6 +146,7 @@ def test_impossible_global_batch_is_an_error():
                                                  max_train_micro_batch_size_per_gpu=2), 2)
 
 
+@pytest.mark.windows
 def test_trial_command_passes_base64_like_deepspeed():
     cmd = TrialCommand(["--num_gpus", "1"], "train.py", ["--deepspeed_config", "ds.json", "--bs", "1"],
                        {"train_micro_batch_size_per_gpu": "--bs"})
@@ -222,6 +224,7 @@ def test_probe_only_under_the_autotuner(monkeypatch):
     assert make_probe(load_config({"autotuning": {"enabled": True, "metric_path": "m.json"}})) is not None
 
 
+@pytest.mark.windows
 def test_engine_writes_metrics_and_exits_after_end_profile_step(tmp_path):
     metrics = tmp_path / "metrics.json"
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -256,3 +259,18 @@ def test_profiling_run_writes_model_info_after_the_first_forward(tmp_path):
     info = json.loads(info_path.read_text())
     assert info["num_params"] == 8 * 8 + 8 + 8 * 2 + 2 and info["micro_batch_size"] == 2
     assert info["activation_mem_per_gpu"] == 0  # a CPU has no allocator statistics
+
+
+def test_probe_counts_whole_parameters_under_stage_3(tmp_path):
+    info_path = tmp_path / "model_info.json"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "param_persistence_threshold": 0},
+           "autotuning": {"enabled": True, "model_info": {"profile": True},
+                          "model_info_path": str(info_path)}}
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    with pytest.raises(SystemExit):
+        engine(torch.randn(1, 8))
+    info = json.loads(info_path.read_text())
+    assert info["num_params"] == 8 * 16 + 16 + 16 * 2 + 2
+    assert info["shape"]["largest_layer_params"] == 8 * 16 + 16
