@@ -14,8 +14,10 @@ The table (last) gives trials, wall time (sum of trial times for the grid, end t
 the autotuners), the pick and the pick's tokens/s as the grid measured it, with the ratios
 to the grid. Targets (issue 25): tuner pick >= 0.95 x grid best, trials and wall <= 1/3.
 
-    python benchmarks/autotune_bench.py --quick          # ~6 device minutes on one H200
-    python benchmarks/autotune_bench.py                  # stages 0-3 x {none,full} ckpt x micro 2..16
+    python benchmarks/autotune_bench.py --quick   # stages 0,1 x ckpt none/full x micro 4,8,16, seq 1024
+    python benchmarks/autotune_bench.py           # stages 0-3 x ckpt none/selective/full x micro 2..32
+    (the grid is resumable: rerun the same command to continue it; the tuner and DeepSpeed
+    always start from scratch, --skip-tuner / --skip-deepspeed leave them out)
     python benchmarks/autotune_bench.py --device cpu --layers 2 --hidden 64 --intermediate 128 \
         --heads 4 --kv-heads 2 --vocab 256 --seq 32 --stages 0,1 --micro-batches 1,2 --skip-deepspeed
 """
@@ -89,8 +91,8 @@ def user_config(args: argparse.Namespace, ours: bool = True) -> Dict[str, Any]:
         cfg["autotuning"]["tuner_type"] = args.tuner
         if args.offload:
             zero["offload_optimizer"] = {"device": "auto"}
-        if args.ac:
-            cfg["activation_checkpointing"] = {"policy": "auto", "modules": ["LlamaDecoderLayer"]}
+        if args.ac and len(args.ac_policies) > 1:
+            cfg["activation_checkpointing"] = {"policy": args.ac_policies, "modules": ["LlamaDecoderLayer"]}
         if args.compile:
             cfg["compile"] = {"enabled": "auto"}
     return cfg
@@ -207,9 +209,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="stages 0,1,2 x micro 2,4,8 at seq 1024, no checkpointing/compile/offload, "
                         "profile steps 1..2 (fits ~6 device minutes)")
     p.add_argument("--stages", default="0,1,2,3")
-    p.add_argument("--micro-batches", default="2,4,8,16")
+    p.add_argument("--micro-batches", default="2,4,8,16,32")
     p.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True,
-                   help="activation checkpointing policy none/selective/full in the space")
+                   help="activation checkpointing policies (--ac-policies) in the space")
+    p.add_argument("--ac-policies", default="none,selective,full")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--tuner", choices=("gridsearch", "random", "model_based"), default="model_based")
@@ -226,10 +229,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     add_shape_args(p)
     args = p.parse_args(argv)
     if args.quick:
-        args.stages, args.micro_batches, args.seq = "0,1,2", "2,4,8", 1024
-        args.ac = args.compile = args.offload = False
+        args.stages, args.micro_batches, args.seq = "0,1", "4,8,16", 1024
+        args.ac, args.ac_policies = True, "none,full"
+        args.compile = args.offload = False
         args.start_profile_step, args.end_profile_step = 1, 2
-        args.ds_timeout = min(args.ds_timeout, 150.0)
+        args.ds_timeout = min(args.ds_timeout, 120.0)
+    args.ac_policies = str(args.ac_policies).split(",")
     args.stages = [int(s) for s in str(args.stages).split(",")]
     args.micro_batches = [int(m) for m in str(args.micro_batches).split(",")]
     return args
@@ -249,7 +254,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows.append(run_deepspeed(args, work))
     add_ratios(rows, grid, args.seq)
     (work / "autotune_bench.json").write_text(json.dumps(rows, indent=2, default=str))
-    print(f"space: stages {args.stages} x micro {args.micro_batches}, ckpt {args.ac}, compile "
+    print(f"space: stages {args.stages} x micro {args.micro_batches}, ckpt {args.ac and args.ac_policies}, compile "
           f"{args.compile}, offload {args.offload}; seq {args.seq}; results in {work}")
     print(format_table(rows, COLUMNS))
     return 0

@@ -25,7 +25,7 @@ from .config import AutotuningConfig
 from .memory import MemoryModel
 from .runner import TrialCommand, TrialResult, TrialRunner
 from .space import Choice, Experiment, TuningSpace
-from .tuner import ChoiceOrder, CostModel, MicroBatchSearch
+from .tuner import MODEL_SKIP_MARGIN, ChoiceOrder, CostModel, MicroBatchSearch
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Autotuner:
         self.exps_dir = (base_dir / at.exps_dir).resolve()
         self.runner = TrialRunner(command, self.exps_dir, at.trial_timeout, at.overwrite)
         self.higher_is_better = at.metric != "latency"
-        self.model = CostModel(self.higher_is_better)
+        self.model = CostModel()
         self.records: List[Record] = []
         self.best: Optional[Record] = None
         self._since_best = 0
@@ -83,6 +83,13 @@ class Autotuner:
                 "end_profile_step": self.at.end_profile_step,
                 "metric_path": str(self.exps_dir / exp.name / "metrics.json")}
 
+    def score(self, result: Optional[TrialResult]) -> Optional[float]:
+        """The metric as "higher is better" (1/latency), None without one."""
+        value = result.value(self.at.metric) if result is not None and result.ok else None
+        if value is None or value <= 0:
+            return None
+        return value if self.higher_is_better else 1.0 / value
+
     def _better(self, value: float, than: float) -> bool:
         return value > than if self.higher_is_better else value < than
 
@@ -96,7 +103,7 @@ class Autotuner:
         self.records.append(record)
         value = result.value(self.at.metric)
         if result.ok and value is not None:
-            self.model.add(exp.choice, exp.micro_batch, value if self.higher_is_better else 1.0 / value)
+            self.model.add(exp.choice, exp.micro_batch, self.score(result) or 0.0)
             if self.best is None or self._better(value, self.best.result.value(self.at.metric) or 0.0):
                 self.best, self._since_best = record, 0
             else:
@@ -136,7 +143,7 @@ class Autotuner:
                 break
             result = self.run_experiment(exp)
             self._grid_left -= 1
-            search.record(exp, result.ok)
+            search.record(exp, result.ok, self.score(result))
             any_ok = any_ok or result.ok
         return any_ok
 
@@ -176,13 +183,18 @@ class Autotuner:
                f"{self._grid_left} experiment(s); tuned: {', '.join(self.space.tuned_keys) or 'nothing'}; "
                f"tuner {self.at.tuner_type}{', fast' if self.at.fast else ''}")
         first = self._fast_plan(choices) if self.at.fast else choices
+        self._reported_skips = 0
         order = ChoiceOrder(first, self.at.tuner_type, self.model, self._largest_fitting)
         tried: List[Choice] = []
         stopped = ""
-        while (choice := order.next()) is not None:
+        while (choice := order.next(self.score(self.best.result) if self.best else None)) is not None:
             stopped = self._stop_reason()
             if stopped:
                 break
+            for skipped in order.skipped[self._reported_skips:]:
+                _print(f"skipping {skipped.describe()}: the cost model predicts it more than "
+                       f"{MODEL_SKIP_MARGIN:.0%} below the best")
+            self._reported_skips = len(order.skipped)
             tried.append(choice)
             ran = self._search(choice)
             if self.at.fast and not ran:

@@ -68,11 +68,13 @@ def load_autotuning(raw: Dict[str, Any]) -> AutotuningConfig:
     return load_config({"autotuning": section}, strict=True).autotuning
 
 
-def _precision(raw: Dict[str, Any], world_size: int) -> str:
-    from ..config.loader import load_config
-    import torch
-    dtype = load_config(raw, world_size=world_size).compute_dtype
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+def _precision(raw: Dict[str, Any]) -> str:
+    """The estimator's precision name, read from the raw config (it may hold lists/"auto")."""
+    for key in ("bf16", "bfloat16", "fp16"):
+        section = raw.get(key)
+        if isinstance(section, dict) and section.get("enabled") is True:
+            return "fp16" if key == "fp16" else "bf16"
+    return "fp32"
 
 
 def _device_memory() -> Optional[int]:
@@ -100,7 +102,7 @@ def _memory_model(tuner: Autotuner, space: TuningSpace, raw: Dict[str, Any]) -> 
         _print(f"profiling run failed ({result.status}: {result.error}); tuning without pruning")
         return None
     info = json.loads(info_path.read_text(encoding="utf-8"))
-    model = MemoryModel.from_model_info(info, _precision(raw, space.world_size), space.world_size,
+    model = MemoryModel.from_model_info(info, _precision(raw), space.world_size,
                                         device_memory)
     _print(f"model: {info['num_params'] / 1e6:.1f}M parameters, activations "
            f"{model.activation_per_sample / 2**20:.1f} MiB per sample; device {device_memory / 2**30:.1f} GiB")

@@ -11,7 +11,8 @@ Tunable keys (a fixed value is kept as it is; ``"auto"`` opens the choices below
 ``zero_optimization.offload_optimizer``        "auto" or {"device": "auto"}: none, cpu (and
                                                nvme when the section names an nvme_path)
 ``zero_optimization.offload_param``            the same; stage 3 only, with optimizer offload
-``activation_checkpointing.policy``            "auto": none, selective, full (needs "modules")
+``activation_checkpointing.policy``            "auto": none, selective, full (needs "modules");
+                                               a list: those policies
 ``compile.enabled`` (or ``"compile": "auto"``)  "auto": off, on (not under stage 3)
 =============================================  ============================================
 """
@@ -228,6 +229,13 @@ def _ac_choices(section: Any) -> List[str]:
                               "[\"LlamaDecoderLayer\"]} (your block class names)")
         return ["none"]
     policy = section.get("policy")
+    if isinstance(policy, list):  # e.g. ["none", "full"]: those policies only
+        allowed = ["none", "selective", "full", "selective_ops", "offload"]
+        bad = [p for p in policy if p not in allowed]
+        if bad or not policy or not section.get("modules"):
+            raise ConfigError(f"activation_checkpointing.policy = {policy!r}: a list holds policies "
+                              f"from {allowed} and needs activation_checkpointing.modules")
+        return list(policy)
     if is_auto(policy):
         if not section.get("modules"):
             raise ConfigError("activation_checkpointing.policy = \"auto\" needs "

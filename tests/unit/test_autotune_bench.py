@@ -14,7 +14,7 @@ def test_quick_mode_caps_the_grid():
     args = bench.parse_args(["--quick"])
     raw = bench.user_config(args)
     space = build_space(raw, load_autotuning(raw), 1)
-    assert space.grid_size() == 9 and args.seq == 1024 and not args.ac
+    assert space.grid_size() == 12 and args.seq == 1024 and space.ac_policies == ["none", "full"]
     ds = bench.user_config(args, ours=False)
     assert ds["train_micro_batch_size_per_gpu"] == "auto" and "trial_timeout" not in ds["autotuning"]
 
@@ -24,7 +24,7 @@ def test_full_space_has_checkpointing_and_every_stage():
     raw = bench.user_config(args)
     space = build_space(raw, load_autotuning(raw), 1)
     assert space.stages == [0, 1, 2, 3] and space.ac_policies == ["none", "selective", "full"]
-    assert space.compile == [False, True] and space.micro_batches == [2, 4, 8, 16]
+    assert space.compile == [False, True] and space.micro_batches == [2, 4, 8, 16, 32]
 
 
 def test_ratios_use_the_grids_measurement_of_each_pick():

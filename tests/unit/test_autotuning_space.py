@@ -274,3 +274,34 @@ def test_probe_counts_whole_parameters_under_stage_3(tmp_path):
     info = json.loads(info_path.read_text())
     assert info["num_params"] == 8 * 16 + 16 + 16 * 2 + 2
     assert info["shape"]["largest_layer_params"] == 8 * 16 + 16
+
+
+def test_smaller_micro_batches_stop_once_one_is_worse():
+    exps = _exps([1, 2, 4, 8])
+    search = MicroBatchSearch(exps, lambda e: True, num_sizes=3)
+    throughput = {8: 100.0, 4: 90.0, 2: 80.0, 1: 70.0}
+    tried = []
+    while (e := search.next()) is not None:
+        tried.append(e.micro_batch)
+        search.record(e, True, throughput[e.micro_batch])
+    assert tried == [8, 4]  # 4 was worse than 8: 2 and 1 are not run
+
+
+def test_model_based_skips_choices_predicted_well_below_the_best():
+    model = CostModel()
+    model.add(Choice(0), 8, 100.0)
+    model.add(Choice(1), 8, 80.0)  # each stage costs 20 %
+    pending = [Choice(2), Choice(3), Choice(1, compile=True)]
+    order = ChoiceOrder(pending, "model_based", model, lambda c: 8)
+    order.started = 2
+    first = order.next(best=100.0)
+    # stages 2 and 3 are predicted far below the best; compile was never measured: explored
+    assert first == Choice(1, compile=True) and order.skipped == [Choice(2), Choice(3)]
+    assert order.next(best=100.0) is None
+
+
+def test_ac_policy_list_limits_the_choices():
+    raw = {"activation_checkpointing": {"policy": ["none", "full"], "modules": ["Block"]}}
+    assert build_space(raw, _at(), 1).ac_policies == ["none", "full"]
+    with pytest.raises(ConfigError, match="policy"):
+        build_space({"activation_checkpointing": {"policy": ["fast"], "modules": ["B"]}}, _at(), 1)
