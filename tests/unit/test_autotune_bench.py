@@ -17,6 +17,7 @@ def test_quick_mode_caps_the_grid():
     assert space.grid_size() == 12 and args.seq == 1024 and space.ac_policies == ["none", "full"]
     ds = bench.user_config(args, ours=False)
     assert ds["train_micro_batch_size_per_gpu"] == "auto" and "trial_timeout" not in ds["autotuning"]
+    assert ds["optimizer"]["params"]["torch_adam"] is True and "activation_checkpointing" not in ds
 
 
 def test_full_space_has_checkpointing_and_every_stage():
