@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
