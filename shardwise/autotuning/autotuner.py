@@ -94,7 +94,7 @@ class Autotuner:
 
     def run_experiment(self, exp: Experiment) -> TrialResult:
         ds_config = self.space.ds_config(exp, self._autotuning_section(exp))
-        index = sum(1 for r in self.records if not r.result.reused) + 1
+        index = len(self.records) + 1
         _print(f"trial {index}/{self._planned()} {exp.name} ({exp.choice.describe()}, micro batch "
                f"{exp.micro_batch}, GA {exp.grad_accum}) ...")
         result = self.runner.run(exp.name, ds_config)
