@@ -11,7 +11,6 @@ from typing import Any, Dict, List
 
 #: key -> why it has no effect in shardwise (and what to use instead).
 IGNORED_SECTIONS: Dict[str, str] = {
-    "autotuning": "there is no autotuner; use `shardwise report` and the memory estimators",
     "elasticity": "batch sizes come from train_batch_size / train_micro_batch_size_per_gpu / "
                   "gradient_accumulation_steps; the launcher's elastic agent restarts jobs",
     "compression_training": "DeepSpeed Compression needs its own kernels and is not implemented",

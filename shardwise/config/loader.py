@@ -75,7 +75,11 @@ def _pick_source(config: Any, args: Any, config_params: Any) -> Any:
 
 def _from_string(text: str) -> Dict[str, Any]:
     """A path, a JSON object literal, or base64-encoded JSON (DeepSpeed's launcher passes that)."""
-    if Path(text).expanduser().is_file():
+    try:
+        is_file = Path(text).expanduser().is_file()
+    except (OSError, ValueError):  # a base64 config longer than a file name may be
+        is_file = False
+    if is_file:
         return load_file(Path(text))
     stripped = text.strip()
     if stripped.startswith("{"):

@@ -20,6 +20,7 @@ from .monitor import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from .profiling import CommsLoggerConfig, FlopsProfilerConfig
 from .fp8 import FP8Config
 from .zero import ZeroConfig
+from .autotuning import AutotuningConfig
 
 class ShardwiseConfig(ConfigModel):
     """A validated DeepSpeed-compatible training config."""
@@ -119,9 +120,10 @@ class ShardwiseConfig(ConfigModel):
     fp8: FP8Config = Field(default_factory=FP8Config)
     """FP8 matmuls for the linear layers through torchao (precision/fp8.py applies it)."""
 
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    """DeepSpeed's autotuner section (shardwise/autotuning; the engine reads the profile steps)."""
+
     # --- accepted, kept verbatim, no effect (reasons in ignored.py) ----------------------
-    autotuning: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     elasticity: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     compression_training: Any = None
@@ -186,6 +188,11 @@ class ShardwiseConfig(ConfigModel):
     _auto_paths: FrozenSet[str] = PrivateAttr(default_factory=frozenset)
     _notes: List[str] = PrivateAttr(default_factory=list)
     _infos: List[str] = PrivateAttr(default_factory=list)
+
+    @field_validator("autotuning", mode="before")
+    @classmethod
+    def _null_autotuning(cls, value: Any) -> Any:
+        return {} if value is None or value is False else value
 
     @field_validator("compile", "tensorboard", "csv_monitor", "wandb", "comet", mode="before")
     @classmethod

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     multi.add_argument("--ssh_port", type=int, default=None, help="ssh port of the remote hosts")
     multi.add_argument("--force_multi", action="store_true",
                        help="use the multi-node path even for a single host")
+    cmd.add_argument("--autotuning", choices=("tune", "run"), default=None,
+                     help="DeepSpeed's autotuner: 'tune' runs short experiments over the config's "
+                     "\"auto\" values and writes the best config; 'run' also trains with it "
+                     "(docs/autotuning.md)")
     seed = p.add_argument_group("platform tuning (the seed article's flags)")
     seed.add_argument("--windows_optimization", type=_bool_value, nargs="?", const=True,
                       default=None, metavar="{true,false}",

@@ -145,6 +145,9 @@ def launch(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_launch_args(sys.argv[1:] if argv is None else argv)
     o = args.options
     _check_script(args)
+    if o.autotuning:
+        from ..autotuning.cli import autotune
+        return autotune(args, sys.argv[1:] if argv is None else argv)
     if not 1 <= o.master_port <= 65535:
         raise LaunchError(f"--master_port {o.master_port} is not a TCP port (1..65535)")
     resources, _ = resolve_resources(args)

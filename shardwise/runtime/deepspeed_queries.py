@@ -362,10 +362,26 @@ class DeepSpeedQueriesMixin:
         return self.config.flops_profiler.output_file
 
     def autotuning_enabled(self) -> bool:
-        return False
+        return bool(self.config.autotuning.enabled)
 
     def autotuning_profile_model_info(self) -> bool:
-        return False
+        info = self.config.autotuning.model_info
+        return bool(self.autotuning_enabled() and isinstance(info, dict) and info.get("profile"))
+
+    def autotuning_start_profile_step(self) -> int:
+        return self.config.autotuning.start_profile_step
+
+    def autotuning_end_profile_step(self) -> int:
+        return self.config.autotuning.end_profile_step
+
+    def autotuning_metric_path(self) -> Optional[str]:
+        return self.config.autotuning.metric_path
+
+    def autotuning_model_info_path(self) -> Optional[str]:
+        return self.config.autotuning.model_info_path
+
+    def autotuning_metric(self) -> str:
+        return self.config.autotuning.metric
 
     # --- parallel layout: data parallel only ---------------------------------------------------
     def get_tensor_parallel_rank(self) -> int:

@@ -35,8 +35,6 @@ _EIGEN = Missing("eigenvalue-based quantization scheduling is not implemented",
 _DATA_EFF = Missing("DeepSpeed's data efficiency library (curriculum learning, data sampling, "
                     "random-LTD) is not implemented",
                     "order, filter or drop data in your own Dataset/Sampler")
-_AUTOTUNE = Missing("there is no autotuner",
-                    "size batches with `shardwise estimate` and `shardwise report`")
 _TIMERS = Missing("DeepSpeed's timer objects are not kept",
                   "set \"wall_clock_breakdown\": true; the step log prints forward/backward/step "
                   "times (engine.timers.totals holds them)")
@@ -75,9 +73,6 @@ UNSUPPORTED_METHODS: Dict[str, Missing] = {
     "eigenvalue_verbose": _EIGEN, "eigenvalue_max_iter": _EIGEN, "eigenvalue_tol": _EIGEN,
     "eigenvalue_stability": _EIGEN, "eigenvalue_gas_boundary_resolution": _EIGEN,
     "eigenvalue_layer_name": _EIGEN, "eigenvalue_layer_num": _EIGEN,
-    "autotuning_start_profile_step": _AUTOTUNE, "autotuning_end_profile_step": _AUTOTUNE,
-    "autotuning_metric_path": _AUTOTUNE, "autotuning_model_info_path": _AUTOTUNE,
-    "autotuning_metric": _AUTOTUNE,
     "active_timers": _TIMERS, "get_wall_clock_timers": _TIMERS, "print_forward_breakdown": _TIMERS,
     "get_sequence_parallel_group": _SP,
     "tensor_parallel_config": _TP, "autotp_size": _TP,

@@ -79,6 +79,8 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
         configure_comms_logger(config)  # the comms_logger section (shardwise/comm)
         self._profile = EngineProfile(self)  # the flops_profiler section (shardwise/profiling)
         self.flops_profiler = self._profile.profiler  # DeepSpeed's attribute (None when off)
+        from ..autotuning.engine_probe import make_probe
+        self._autotuning_probe = make_probe(config)  # None unless the autotuner runs this
 
     # --- attribute fall-through ------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -122,6 +124,8 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
+        if self._autotuning_probe is not None:
+            self._autotuning_probe.on_forward(self, args, kwargs)
         self.step_logger.record_batch(args, kwargs)
         self.timers.start("fwd")
         ctx = (torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
@@ -129,6 +133,8 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
         with ctx, self._profile.forward():
             out = self.module(*args, **kwargs)
         self.timers.stop("fwd")
+        if self._autotuning_probe is not None:
+            self._autotuning_probe.after_forward(self)
         return out
 
     # --- backward ------------------------------------------------------------------------------
@@ -197,6 +203,8 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
             self.step_logger.on_step(self._step_info())
         self.micro_steps += 1
         self._profile.step_end(boundary)
+        if boundary and self._autotuning_probe is not None:
+            self._autotuning_probe.after_step(self)
 
     def _step_info(self) -> StepInfo:
         """What the step logger and the monitors report after an optimizer step."""
