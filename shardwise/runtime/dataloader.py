@@ -5,10 +5,10 @@ micro batch at a time. The loader remembers its epoch and position so a checkpoi
 resume mid-epoch (``state_dict`` / ``load_state_dict``).
 
 Worker processes (``num_workers > 0``, e.g. ``--dataloader_num_workers 2``) start with the
-platform's default method, as a plain PyTorch ``DataLoader``: ``fork`` on Linux, so a
-DeepSpeed-style script without an ``if __name__ == "__main__":`` guard works there; ``spawn``
-on Windows (its only method) and macOS, where such a script needs the guard, as with any
-PyTorch DataLoader. A ``multiprocessing.set_start_method`` of the script's own is honoured.
+platform's default method, as a plain PyTorch ``DataLoader``: ``fork`` on Linux (Python
+3.13 and older), so a DeepSpeed-style script without an ``if __name__ == "__main__":`` guard
+works there; ``spawn`` on Windows (its only method) and macOS, and ``forkserver`` on Linux
+from Python 3.14, where such a script needs the guard, as with any PyTorch DataLoader. A ``multiprocessing.set_start_method`` of the script's own is honoured.
 
 Worker seeds: every epoch draws its workers' base seed from a generator seeded by
 ``(seed, rank, epoch)``; PyTorch gives worker ``i`` the seed ``base + i`` and seeds

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from shardwise.runtime.dataloader import ShardwiseDataLoader
 
-HAS_FORK = "fork" in multiprocessing.get_all_start_methods()
+DEFAULT_IS_FORK = multiprocessing.get_context().get_start_method() == "fork"
 
 # A DeepSpeed-style training script: everything at module level, no __main__ guard.
 UNGUARDED_SCRIPT = textwrap.dedent('''
@@ -47,8 +47,9 @@ UNGUARDED_SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.skipif(not HAS_FORK, reason="spawn is this platform's only start method: an "
-                    "unguarded script cannot use DataLoader workers there (as with PyTorch)")
+@pytest.mark.skipif(not DEFAULT_IS_FORK, reason="this platform's default start method re-runs "
+                    "the main script (spawn/forkserver): an unguarded script cannot use "
+                    "DataLoader workers there, as with plain PyTorch")
 def test_unguarded_script_with_two_dataloader_workers(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(UNGUARDED_SCRIPT)
