@@ -18,6 +18,7 @@ import torch
 
 from ..errors import CheckpointError
 from .atomic import atomic_write_bytes
+from .export_folder import staged_export
 from .format import TensorItem, str_to_dtype, write_safetensors
 from .reshard import CheckpointReader
 
@@ -106,49 +107,60 @@ def _plan_shards(reader: CheckpointReader, names: List[str], dtype: Optional[tor
 
 def export_safetensors(checkpoint_dir: PathLike, output_dir: PathLike, tag: Optional[str] = None,
                        max_shard_size: Union[int, str] = "5GB", dtype: torch.dtype = torch.float32,
-                       exclude_frozen_parameters: bool = False,
-                       write_config: bool = True) -> List[Path]:
+                       exclude_frozen_parameters: bool = False, write_config: bool = True,
+                       overwrite: bool = False) -> List[Path]:
     """Write the consolidated model as Hugging Face safetensors shards; returns the files.
 
     One shard → ``model.safetensors``; several → ``model-0000i-of-0000n.safetensors`` and
     ``model.safetensors.index.json`` (``metadata.total_size`` + ``weight_map``). Tied
     duplicates are not written (safetensors stores no aliases; ``from_pretrained`` re-ties
     them). When the checkpoint recorded a Hugging Face config, ``config.json`` is written
-    too (unless one exists), so ``from_pretrained(output_dir)`` works directly.
+    too, so ``from_pretrained(output_dir)`` works directly.
+
+    The files are written into a fresh staging folder that replaces ``output_dir`` only when
+    complete (see :mod:`.export_folder`): a folder that already holds an export is refused
+    unless ``overwrite=True``, and then that export is replaced as a whole, never mixed with.
     """
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     max_bytes = parse_size(max_shard_size)
-    written: List[Path] = []
-    with CheckpointReader(checkpoint_dir, tag) as reader:
-        names = _export_names(reader, exclude_frozen_parameters)
-        shards = _plan_shards(reader, names, dtype, max_bytes)
-        total = len(shards)
-        weight_map: Dict[str, str] = {}
-        total_size = 0
-        for i, shard in enumerate(shards):
-            fname = ("model.safetensors" if total == 1
-                     else f"model-{i + 1:05d}-of-{total:05d}.safetensors")
-            items = [TensorItem(name, dt, shape,
-                                (lambda n=name, d=dt: _tensor(reader, n, d).contiguous()))
-                     for name, dt, shape in shard]
-            write_safetensors(out / fname, items, metadata={"format": "pt"})
-            written.append(out / fname)
-            for item in items:
-                weight_map[item.key] = fname
-                total_size += item.nbytes
-        if total > 1:
-            index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-            atomic_write_bytes(out / "model.safetensors.index.json",
-                               json.dumps(index, indent=2).encode("utf-8"))
-            written.append(out / "model.safetensors.index.json")
+    with CheckpointReader(checkpoint_dir, tag) as reader, \
+            staged_export(Path(output_dir), overwrite) as stage:
+        names = _write_shards(reader, stage, _export_names(reader, exclude_frozen_parameters),
+                              dtype, max_bytes)
         hf_config = reader.meta.get("hf_config")
-        if write_config and hf_config and not (out / "config.json").exists():
+        if write_config and hf_config:
             if dtype is not None:  # transformers 5 calls the key "dtype", 4.x "torch_dtype"
                 key = "dtype" if "dtype" in hf_config else "torch_dtype"
                 hf_config = {**hf_config, key: str(dtype).replace("torch.", "")}
-            atomic_write_bytes(out / "config.json", json.dumps(hf_config, indent=2).encode("utf-8"))
-            written.append(out / "config.json")
+            atomic_write_bytes(stage / "config.json",
+                               json.dumps(hf_config, indent=2).encode("utf-8"))
+            names.append("config.json")
+    return [Path(output_dir) / name for name in names]
+
+
+def _write_shards(reader: CheckpointReader, out: Path, names: List[str],
+                  dtype: Optional[torch.dtype], max_bytes: int) -> List[str]:
+    """The shard files (+ index when more than one) into ``out``; returns the file names."""
+    shards = _plan_shards(reader, names, dtype, max_bytes)
+    total = len(shards)
+    weight_map: Dict[str, str] = {}
+    total_size = 0
+    written: List[str] = []
+    for i, shard in enumerate(shards):
+        fname = ("model.safetensors" if total == 1
+                 else f"model-{i + 1:05d}-of-{total:05d}.safetensors")
+        items = [TensorItem(name, dt, shape,
+                            (lambda n=name, d=dt: _tensor(reader, n, d).contiguous()))
+                 for name, dt, shape in shard]
+        write_safetensors(out / fname, items, metadata={"format": "pt"})
+        written.append(fname)
+        for item in items:
+            weight_map[item.key] = fname
+            total_size += item.nbytes
+    if total > 1:
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        atomic_write_bytes(out / "model.safetensors.index.json",
+                           json.dumps(index, indent=2).encode("utf-8"))
+        written.append("model.safetensors.index.json")
     return written
 
 

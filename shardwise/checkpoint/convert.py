@@ -27,7 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "model (the equivalent of DeepSpeed's zero_to_fp32.py).")
     parser.add_argument("checkpoint_dir", help="folder holding 'latest' and the tag folders "
                                                "(the save_dir given to engine.save_checkpoint)")
-    parser.add_argument("output_dir", help="folder to write model*.safetensors (+ index) into")
+    parser.add_argument("output_dir", help="folder to write model*.safetensors (+ index) into; "
+                                           "written as a new folder and swapped in when complete")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier export in OUTPUT_DIR (its weights, index and "
+                             "config.json; other files such as the tokenizer are kept). Without "
+                             "it a folder that holds an export is refused")
     parser.add_argument("--safe_serialization", action="store_true",
                         help="accepted for zero_to_fp32 compatibility; output is always "
                              "safetensors (shardwise never writes pickles)")
@@ -57,7 +62,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         files = export_safetensors(args.checkpoint_dir, args.output_dir, tag=args.tag,
                                    max_shard_size=args.max_shard_size, dtype=_DTYPES[args.dtype],
                                    exclude_frozen_parameters=args.exclude_frozen_parameters,
-                                   write_config=not args.no_config)
+                                   write_config=not args.no_config,
+                                   overwrite=args.overwrite)
     except CheckpointError as exc:
         print(f"shardwise convert: error: {exc}", file=sys.stderr)
         return 1

@@ -6,6 +6,7 @@ configure, the same on every platform.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -45,6 +46,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     the group rendezvouses through ``env://``; without them the process is a world of one.
     """
     if dist.is_initialized():
+        _register_shutdown_at_exit()
         return
     if dist_init_required is False:
         return
@@ -70,8 +72,34 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                 f"MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT="
                 f"{os.environ.get('MASTER_PORT')}): {exc}. Launch with `shardwise` or torchrun, "
                 "or unset WORLD_SIZE/RANK to run as a single process.") from exc
+    _register_shutdown_at_exit()
     if verbose and dist.get_rank() == 0:
         logger.debug(f"process group: backend={backend} world_size={dist.get_world_size()}")
+
+
+def _shutdown_at_exit() -> None:
+    """Destroy the default group at interpreter exit if the script did not (no barrier).
+
+    Most DeepSpeed scripts never call ``destroy_process_group()``. The group's C++ threads
+    (gloo's workers and store connections) are then torn down by static destructors during
+    interpreter teardown, which sometimes aborts the process with ``terminate called without
+    an active exception`` (exit -6) after the work succeeded. Destroying it here, while the
+    interpreter is still whole, joins them in order. It only tears down this rank's objects:
+    a rank that exits early (an error) does not wait for the others.
+    """
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # the process is exiting; a failed teardown must not mask its result
+        pass
+
+
+def _register_shutdown_at_exit() -> None:
+    """Register :func:`_shutdown_at_exit` once. atexit runs handlers last-in first-out, so it
+    runs before the handlers torch registered at import (the DataLoader's exit flag) and after
+    any registered later (persistent DataLoader workers are stopped before the group goes)."""
+    atexit.unregister(_shutdown_at_exit)
+    atexit.register(_shutdown_at_exit)
 
 
 def is_initialized() -> bool:

@@ -6,6 +6,7 @@ launcher, everything after the script is handed to the script untouched.
 from __future__ import annotations
 
 import argparse
+import difflib
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -35,9 +36,37 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         if "unrecognized arguments" in message:
             flags = message.split(":", 1)[1].strip()
-            raise LaunchError(f"unknown launcher flag(s) {flags}: launcher flags go before the "
-                              f"script, script flags after it; see 'shardwise --help'")
+            hint = unknown_flag_hint(flags.split(), list(self._option_string_actions))
+            raise LaunchError(f"unknown launcher flag(s) {flags}: {hint} (see 'shardwise --help')")
         raise LaunchError(f"{message}; see 'shardwise --help'")
+
+
+#: Flags of the training script (``add_config_arguments``) that users write before it.
+SCRIPT_FLAGS = ("--local_rank", "--deepspeed", "--deepspeed_config", "--shardwise",
+                "--shardwise_config")
+
+
+def unknown_flag_hint(tokens: Sequence[str], known: Sequence[str]) -> str:
+    """What to do about unknown launcher flags: the closest known flag for a typo
+    (``--num_gpu`` → ``--num_gpus``; ``--x=1`` is matched on ``--x``), or where a script flag
+    belongs."""
+    names = [t.split("=", 1)[0] for t in tokens if t.startswith("-")]
+    script_flags = [n for n in names if n in SCRIPT_FLAGS]
+    fixes = []
+    for name in names:
+        close = difflib.get_close_matches(name, [k for k in known if k.startswith("--")], n=1,
+                                          cutoff=0.75)
+        if close and name not in SCRIPT_FLAGS:
+            fixes.append((name, close[0]))
+    hints = []
+    if len(fixes) == 1 and len(names) == 1:
+        hints.append(f"did you mean {fixes[0][1]}?")
+    elif fixes:
+        hints.append("did you mean " + ", ".join(f"{fix} for {name}" for name, fix in fixes) + "?")
+    if script_flags:
+        hints.append(f"{' '.join(script_flags)} belong(s) to the training script: write it after "
+                     "the script")
+    return " ".join(hints) or "launcher flags go before the script, script flags after it"
 
 
 def _bool_value(text: str) -> bool:
@@ -70,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     net = p.add_argument_group("rendezvous")
     net.add_argument("--master_addr", default="",
                      help="rendezvous host (default 127.0.0.1 single-node, the first host otherwise)")
-    net.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT,
-                     help=f"rendezvous port (default {DEFAULT_MASTER_PORT})")
+    net.add_argument("--master_port", type=int, default=None,
+                     help=f"rendezvous port (default {DEFAULT_MASTER_PORT}; when it is taken on "
+                     "a single node, a free port is picked and printed)")
     net.add_argument("--node_rank", type=int, default=-1,
                      help="multi-node without a remote launcher: start only this node's agent "
                      "(run the same command on every host with its own --node_rank)")

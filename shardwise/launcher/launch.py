@@ -18,11 +18,12 @@ from typing import List, Optional, Sequence
 
 from ..errors import LaunchError
 from ..utils.logging import logger
-from .cli_args import DEFAULT_HOSTFILE, LaunchArgs, parse_launch_args, peek_script_num_gpus
+from .cli_args import (DEFAULT_HOSTFILE, DEFAULT_MASTER_PORT, LaunchArgs, parse_launch_args,
+                       peek_script_num_gpus)
 from .env import env_file_paths, forwarded_env, load_env_files, seed_flags_env
 from .hostfile import Resources, expand_slots, filter_resources, limit_resources, read_hostfile
 from .multi_node import RUNNER_PROGRAMS, build_commands, run_commands
-from .single_node import LOCAL_RANK_MACRO, NodePlan, port_bind_error, run_node
+from .single_node import LOCAL_RANK_MACRO, NodePlan, free_port, port_bind_error, run_node
 
 LOCAL_HOST = "localhost"
 
@@ -119,7 +120,8 @@ def build_plan(args: LaunchArgs, resources: Resources, master_addr: str, multi: 
         log_dir = str(folder)
     return NodePlan(
         hosts=[[host, slots] for host, slots in resources.items()],
-        command=worker_command(args), rdzv_endpoint=f"{master_addr}:{o.master_port}",
+        command=worker_command(args),
+        rdzv_endpoint=f"{master_addr}:{o.master_port or DEFAULT_MASTER_PORT}",
         run_id=uuid.uuid4().hex if multi else "shardwise", use_python=not o.no_python,
         env=env, log_dir=log_dir, bind_cores=bind, max_restarts=o.max_restarts,
         local_addr="127.0.0.1" if o.launcher == "local" or not multi else None,
@@ -140,6 +142,23 @@ def _require_free_port(host: str, port: int) -> None:
                       f"be an address of this machine (e.g. 127.0.0.1) for the rendezvous host")
 
 
+def choose_master_port(requested: Optional[int], host: str) -> int:
+    """``--master_port`` as given, else 29500, else (29500 taken on this machine) a free port.
+
+    Only for a rendezvous hosted on this machine: a port given explicitly is kept (and
+    checked later), and DeepSpeed's default moves aside for another job holding it.
+    """
+    if requested is not None:
+        return requested
+    err = port_bind_error(host, DEFAULT_MASTER_PORT)
+    if err is None or err.errno not in _ADDR_IN_USE:
+        return DEFAULT_MASTER_PORT
+    port = free_port(host)
+    logger.warning(f"master port {DEFAULT_MASTER_PORT} is in use on this machine; using free "
+                   f"port {port} (pass --master_port to choose one)")
+    return port
+
+
 def launch(argv: Optional[Sequence[str]] = None) -> int:
     """Run the launcher; returns the exit code (the first failed worker's, 130 on Ctrl-C)."""
     args = parse_launch_args(sys.argv[1:] if argv is None else argv)
@@ -148,20 +167,24 @@ def launch(argv: Optional[Sequence[str]] = None) -> int:
     if o.autotuning:
         from ..autotuning.cli import autotune
         return autotune(args, sys.argv[1:] if argv is None else argv)
-    if not 1 <= o.master_port <= 65535:
+    if o.master_port is not None and not 1 <= o.master_port <= 65535:
         raise LaunchError(f"--master_port {o.master_port} is not a TCP port (1..65535)")
     resources, _ = resolve_resources(args)
     multi = len(resources) > 1 or o.force_multi
     if not multi:
         master = o.master_addr or "127.0.0.1"
+        o.master_port = choose_master_port(o.master_port, master)
         plan = build_plan(args, resources, master, multi=False)
         _require_free_port(master, o.master_port)
         nproc = len(next(iter(resources.values())))
-        logger.info(f"starting {nproc} worker(s) on this node: {' '.join(plan.command)}")
+        logger.info(f"starting {nproc} worker(s) on this node, rendezvous {plan.rdzv_endpoint}")
         return run_node(plan, 0)
 
     first_host = next(iter(resources))
     master = o.master_addr or ("127.0.0.1" if o.launcher == "local" else first_host)
+    if o.launcher == "local" and o.node_rank < 0:  # every agent on this machine: it can choose
+        o.master_port = choose_master_port(o.master_port, master)
+    o.master_port = o.master_port or DEFAULT_MASTER_PORT
     plan = build_plan(args, resources, master, multi=True)
     if o.node_rank >= 0:
         # No remote launcher: the user runs this same command on every host.

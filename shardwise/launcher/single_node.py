@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from ..errors import LaunchError
+from ..utils.logging import logger
 from .env import platform_worker_env
 from .torch_compat import make_worker_stop_portable, respect_use_libuv
 
@@ -79,6 +80,25 @@ def port_bind_error(host: str, port: int) -> Optional[OSError]:
         except OSError as err:
             return err
     return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("" if host in ("", "0.0.0.0") else host, 0))
+        return s.getsockname()[1]
+
+
+def worker_command_lines(plan: NodePlan, nproc: int) -> List[str]:
+    """Each local rank's real command line, ``${local_rank}`` replaced by its value (what the
+    agent runs; the launch log shows these rather than the macro)."""
+    program = os.environ.get("PYTHON_EXEC", sys.executable) if plan.use_python else None
+    lines = []
+    for local_rank in range(nproc):
+        argv = [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in plan.command]
+        shown = " ".join(([program] if program else []) + argv)
+        lines.append(f"local rank {local_rank}: {shown}")
+    return lines
 
 
 def _worker_entrypoint(plan: NodePlan, nproc: int) -> tuple:
@@ -142,6 +162,8 @@ def run_node(plan: NodePlan, node_rank: int) -> int:
         max_restarts=plan.max_restarts, monitor_interval=0.1, start_method="spawn",
         logs_specs=logs, local_addr=plan.local_addr)
     entrypoint, args = _worker_entrypoint(plan, nproc)
+    where = f"node {node_rank} ({host})" if multi else "this node"
+    logger.info(f"worker commands on {where}:\n  " + "\n  ".join(worker_command_lines(plan, nproc)))
     try:
         elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as failed:

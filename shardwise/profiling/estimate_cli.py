@@ -9,7 +9,10 @@ The model is built on the meta device from its config; nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from ..errors import ConfigError
@@ -50,12 +53,45 @@ def _ints(text: str, flag: str) -> List[int]:
         raise ConfigError(f"{flag} {text!r}: expected comma-separated integers such as 0,1,2,3") from None
 
 
+def _config_file(model_config: str) -> Path:
+    path = Path(model_config)
+    return path / "config.json" if path.is_dir() else path
+
+
+def _model_error(model_config: str, err: Exception) -> str:
+    """One line for a config transformers cannot build: an unknown ``model_type`` (with the
+    closest known names) or another reason (its first line), instead of a traceback."""
+    file = _config_file(model_config)
+    try:
+        model_type = json.loads(file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return f"{str(file)!r} is not a readable JSON config: {str(err).strip().splitlines()[0]}"
+    try:
+        import transformers
+        from transformers import CONFIG_MAPPING
+        known, version = list(CONFIG_MAPPING.keys()), transformers.__version__
+    except ImportError:
+        known, version = [], "?"
+    if known and model_type not in known:
+        close = difflib.get_close_matches(str(model_type), known, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        return (f"model_type {model_type!r} in {str(file)!r} is not a model transformers {version} "
+                f"knows; {hint}Check the spelling, or upgrade transformers (pip install -U "
+                f"transformers) for a newer architecture")
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (f"cannot build a causal language model from {str(file)!r} (model_type "
+            f"{model_type!r}): {first[:300]}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``shardwise estimate``; returns the exit code."""
     args = _parser().parse_args(argv)
     ac = {"none": False, "full": "full"}.get(args.activation_checkpointing, args.activation_checkpointing)
     try:
-        shape = model_shape(args.model_config)
+        try:
+            shape = model_shape(args.model_config)
+        except (ValueError, KeyError, TypeError) as err:  # transformers: unknown/unbuildable model
+            raise ConfigError(_model_error(args.model_config, err)) from None
         result = estimate_memory(
             shape, num_gpus=args.gpus, num_nodes=args.nodes, stages=_ints(args.stages, "--stages"),
             offload=[x.strip() for x in args.offload.split(",") if x.strip()], precision=args.precision,

@@ -3,14 +3,32 @@
 Each rank reads its own ``1/world`` of the data set through a ``DistributedSampler``, one
 micro batch at a time. The loader remembers its epoch and position so a checkpoint can
 resume mid-epoch (``state_dict`` / ``load_state_dict``).
+
+Worker processes (``num_workers > 0``, e.g. ``--dataloader_num_workers 2``) start with the
+platform's default method, as a plain PyTorch ``DataLoader``: ``fork`` on Linux (Python
+3.13 and older), so a DeepSpeed-style script without an ``if __name__ == "__main__":`` guard
+works there; ``spawn`` on Windows (its only method) and macOS, and ``forkserver`` on Linux
+from Python 3.14, where such a script needs the guard, as with any PyTorch DataLoader. A ``multiprocessing.set_start_method`` of the script's own is honoured.
+
+Worker seeds: every epoch draws its workers' base seed from a generator seeded by
+``(seed, rank, epoch)``; PyTorch gives worker ``i`` the seed ``base + i`` and seeds
+``random``, NumPy and torch with it. So seeds differ between workers, ranks and epochs, and
+a run resumed from a checkpoint gets the same seeds as the original run.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+def worker_base_seed(seed: int, rank: int, epoch: int) -> int:
+    """A well-mixed 63-bit seed for one rank's data loader workers in one epoch."""
+    digest = hashlib.sha256(f"shardwise-dataloader/{seed}/{rank}/{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 class ShardwiseDataLoader:
@@ -28,10 +46,9 @@ class ShardwiseDataLoader:
                                  collate_fn=collate_fn, num_workers=num_workers,
                                  pin_memory=pin_memory and torch.cuda.is_available(),
                                  drop_last=drop_last,
-                                 # its own generator: making an iterator must not draw from the
-                                 # global RNG (a resumed run would drift from the original)
-                                 generator=torch.Generator().manual_seed(seed),
-                                 multiprocessing_context="spawn" if num_workers > 0 else None)
+                                 generator=torch.Generator().manual_seed(seed))
+        self.seed = seed
+        self.rank = rank
         self.epoch = 0
         self.position = 0
         self._skip = 0
@@ -41,6 +58,10 @@ class ShardwiseDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
+        # Its own generator: making an iterator must not draw from the global RNG (a resumed
+        # run would drift from the original), and the workers' seeds follow (seed, rank, epoch).
+        self.loader.generator = torch.Generator().manual_seed(
+            worker_base_seed(self.seed, self.rank, self.epoch))
         skip, self._skip = self._skip, 0
         self.position = 0
         for i, batch in enumerate(self.loader):

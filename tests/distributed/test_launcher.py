@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -188,3 +189,24 @@ def test_two_nodes_on_loopback(job):
     assert placement == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
     assert all(r["env"]["SW_FROM_ENV_FILE"] == "forwarded" for r in results)
     assert all(r["local_rank_arg"] == int(r["env"]["LOCAL_RANK"]) for r in results)
+
+
+def test_default_port_taken_launch_uses_the_free_port_it_prints(job):
+    """No --master_port and the default taken (another job): the run goes on a free port it
+    names, and the workers rendezvous there (the default is patched to a port this test holds,
+    so no real job on 29500 is disturbed)."""
+    cwd, out = job
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        taken = busy.getsockname()[1]
+        code = ("import sys, shardwise.launcher.launch as launch; "
+                f"launch.DEFAULT_MASTER_PORT = {taken}; "
+                f"sys.exit(launch.main(['--num_procs', '1', 'worker.py', '--out', {str(out)!r}]))")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
+                              text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    port = _results(out, 1)[0]["env"]["MASTER_PORT"]
+    assert port != str(taken)
+    assert f"master port {taken} is in use on this machine; using free port {port}" in proc.stderr
+    assert "local rank 0: " in proc.stderr and "--local_rank=0" in proc.stderr

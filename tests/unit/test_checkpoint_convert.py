@@ -72,3 +72,102 @@ def test_convert_bf16_single_file_and_errors(checkpoint, tmp_path, capsys):
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
     with pytest.raises(CheckpointError):
         parse_size("0MB")
+
+
+# --- issue 18 bug 4: converting into a folder that holds an earlier export -------------------
+
+@pytest.fixture(scope="module")
+def checkpoint_b(tmp_path_factory):
+    """A second checkpoint of the same architecture with other weights (2 ranks, fp32)."""
+    root = tmp_path_factory.mktemp("ckpt_b")
+    engines = [FakeEngine(_tiny_llama(), r, 2, torch.float32, lr=5e-2) for r in range(2)]
+    for e in engines:
+        e.train_steps(3, seed=11)
+    write_synthetic(root, "global_step3", engines)
+    return root
+
+
+def _logits(model_or_dir, ids):
+    if isinstance(model_or_dir, torch.nn.Module):
+        model = model_or_dir
+    else:
+        model = transformers.LlamaForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _reference(checkpoint_dir):
+    model = _tiny_llama()
+    model.load_state_dict(get_fp32_state_dict(checkpoint_dir), strict=False)
+    return model
+
+
+def _files(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _stray_temps(folder):
+    return [p.name for p in folder.parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_convert_into_earlier_export_is_refused_then_replaced_whole(checkpoint, checkpoint_b,
+                                                                    tmp_path, capsys):
+    """A single-file export, then a sharded one: without --overwrite the folder is refused
+    (today the second export lands next to the first and from_pretrained loads the old
+    model.safetensors); with it, the folder holds exactly the second export."""
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    want_a, want_b = _logits(_reference(checkpoint), ids), _logits(_reference(checkpoint_b), ids)
+    assert not torch.equal(want_a, want_b)
+    out = tmp_path / "hf"
+    assert main([str(checkpoint), str(out)]) == 0
+    assert _files(out) == ["config.json", "model.safetensors"]
+    (out / "tokenizer.json").write_text("{}")  # the user's own file, next to the export
+
+    assert main([str(checkpoint_b), str(out), "--max_shard_size", "40KB"]) == 1
+    err = capsys.readouterr().err
+    assert "already holds an export" in err and "--overwrite" in err and err.count("\n") == 1
+    assert torch.equal(_logits(out, ids), want_a)  # untouched
+
+    assert main([str(checkpoint_b), str(out), "--max_shard_size", "40KB", "--overwrite"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    assert _files(out) == sorted(["config.json", "model.safetensors.index.json",
+                                  "tokenizer.json", *shards])
+    assert torch.equal(_logits(out, ids), want_b)
+    assert _stray_temps(out) == []
+
+
+def test_convert_overwrite_with_fewer_shards_leaves_no_stale_shards(checkpoint, checkpoint_b,
+                                                                     tmp_path):
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(2))
+    out = tmp_path / "hf"
+    assert main([str(checkpoint), str(out), "--max_shard_size", "20KB"]) == 0
+    many = len(list(out.glob("model-*.safetensors")))
+    assert main([str(checkpoint_b), str(out), "--max_shard_size", "60KB", "--overwrite"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert 1 < len(shards) < many
+    assert sorted(p.name for p in out.glob("model-*.safetensors")) == shards
+    assert torch.equal(_logits(out, ids), _logits(_reference(checkpoint_b), ids))
+
+
+def test_failed_convert_leaves_the_earlier_export_untouched(checkpoint, checkpoint_b, tmp_path,
+                                                            monkeypatch):
+    from shardwise.checkpoint import consolidate
+    out = tmp_path / "hf"
+    assert main([str(checkpoint), str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls = []
+
+    def broken(reader, name, dtype):
+        calls.append(name)
+        if len(calls) == 3:
+            raise CheckpointError("disk full (simulated)")
+        return real(reader, name, dtype)
+
+    real = consolidate._tensor
+    monkeypatch.setattr(consolidate, "_tensor", broken)
+    assert main([str(checkpoint_b), str(out), "--overwrite", "--max_shard_size", "40KB"]) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert _stray_temps(out) == []

@@ -345,3 +345,55 @@ def test_help_mentions_seed_flags(capsys):
     for flag in ("--windows_optimization", "--disable_numa_awareness", "--windows_memory_allocator",
                  "--dataloader_num_workers", "--pin_memory", "SHARDWISE_PIN_MEMORY", "shardwise report"):
         assert flag in out
+
+
+# --- issue 18: launcher usability --------------------------------------------------------------
+
+@pytest.mark.windows
+def test_mistyped_flag_gets_did_you_mean(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("print('never runs')\n")
+    cases = [
+        (["--num_gpu", "2", "t.py"], "unknown launcher flag(s) --num_gpu: did you mean --num_gpus?"),
+        (["--num_gpu=2", "t.py"], "did you mean --num_gpus?"),
+        (["--master-port", "1234", "t.py"], "did you mean --master_port?"),
+        (["--num_node=2", "--pin-memory", "t.py"],
+         "did you mean --num_nodes for --num_node, --pin_memory for --pin-memory?"),
+        (["--local_rank", "0", "t.py"], "--local_rank belong(s) to the training script"),
+        (["--frobnicate", "t.py"], "launcher flags go before the script"),
+    ]
+    for argv, fragment in cases:
+        code, err = _cli_error(capsys, argv)
+        assert code == 2 and fragment in err and err.count("\n") == 0, (argv, err)
+    assert "did you mean" not in _cli_error(capsys, ["--frobnicate", "t.py"])[1]
+
+
+@pytest.mark.windows
+def test_default_master_port_taken_picks_a_free_one(monkeypatch):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        taken = busy.getsockname()[1]
+        monkeypatch.setattr(launch, "DEFAULT_MASTER_PORT", taken)
+        messages = []
+        monkeypatch.setattr(launch.logger, "warning", messages.append)
+        port = launch.choose_master_port(None, "127.0.0.1")
+        assert port != taken and 1 <= port <= 65535
+        assert launch.port_bind_error("127.0.0.1", port) is None
+        assert messages and f"using free port {port}" in messages[0] and str(taken) in messages[0]
+        # An explicit --master_port is never changed (a busy one is an error later).
+        assert launch.choose_master_port(taken, "127.0.0.1") == taken
+    monkeypatch.setattr(launch, "DEFAULT_MASTER_PORT", port)
+    assert launch.choose_master_port(None, "127.0.0.1") == port  # free: the default is kept
+
+
+@pytest.mark.windows
+def test_launch_log_shows_each_workers_real_local_rank():
+    from shardwise.launcher.single_node import worker_command_lines
+    args = parse_launch_args(["--num_procs", "2", "t.py", "--local_rank", "0", "--x"])
+    plan = launch.build_plan(args, {"localhost": [0, 1]}, "127.0.0.1", multi=False)
+    lines = worker_command_lines(plan, 2)
+    assert len(lines) == 2
+    for r, line in enumerate(lines):
+        assert line.startswith(f"local rank {r}: ") and line.endswith(f"--local_rank={r}")
+        assert "${local_rank}" not in line
