@@ -16,6 +16,7 @@ from .base import ConfigModel, canonical_dtype_name, torch_dtype_of
 from .models import (ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig,
                      CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                      TorchAutocastConfig, WindowsSpecificConfig)
+from .hybrid import HybridEngineConfig
 from .zero import ZeroConfig
 
 class ShardwiseConfig(ConfigModel):
@@ -116,8 +117,8 @@ class ShardwiseConfig(ConfigModel):
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     zero_force_ds_cpu_optimizer: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    hybrid_engine: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    """DeepSpeed's Hybrid Engine (runtime/hybrid_engine.py): ``generate()`` on the training engine."""
     eigenvalue: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     progressive_layer_drop: Any = None
@@ -167,6 +168,11 @@ class ShardwiseConfig(ConfigModel):
     @classmethod
     def _null_compile(cls, value: Any) -> Any:
         # "compile": null (or false) is DeepSpeed's "no compile section": the defaults, off.
+        return {} if value is None or value is False else value
+
+    @field_validator("hybrid_engine", mode="before")
+    @classmethod
+    def _null_hybrid(cls, value: Any) -> Any:
         return {} if value is None or value is False else value
 
     @field_validator("communication_data_type", mode="before")
