@@ -210,7 +210,9 @@ class InferenceCopy:
         with torch.no_grad():
             decoder = FastDecoder(spec, make_plan(1, None, None), max_tokens)
         b.bind_linears()
-        return cls(decoder, b.bindings)
+        built = cls(decoder, b.bindings)
+        built.refresh()  # the clones hold the base weights: fuse the LoRA deltas in
+        return built
 
     def params_of(self, group: int) -> List[nn.Parameter]:
         seen: Dict[int, nn.Parameter] = {}

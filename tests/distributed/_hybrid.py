@@ -83,3 +83,8 @@ def scenario(rank: int, world: int, family: str, stage: int, hybrid: Dict[str, A
     out["twin_weights"] = gathered_weights(plain)
     out["copy_bytes"] = engine.generate_stats.get("copy_bytes", 0.0)
     return out
+
+
+def scenarios(rank: int, world: int, cases: list) -> list:
+    """Several ``scenario`` runs in one spawn (the processes' start-up is the slow part)."""
+    return [scenario(rank, world, family, stage, steps=steps) for family, stage, steps in cases]
