@@ -33,7 +33,7 @@ def test_config_keys_and_defaults_are_deepspeeds():
     assert not any("hybrid_engine" in w for w in loaded.warnings)
 
 
-@pytest.mark.parametrize("family,stage", [("llama", 3), ("opt", 3), ("llama", 2), ("opt", 2)])
+@pytest.mark.parametrize("family,stage", [("llama", 3), ("opt", 3), ("llama", 2), ("opt", 2), ("gpt2", 1)])
 def test_generate_matches_reference_before_and_after_steps(family, stage):
     _check(scenario(0, 1, family, stage))
 
