@@ -214,8 +214,13 @@ def main(argv=None) -> Dict[str, float]:
         train_s = time.perf_counter() - t0
         totals["gen_s"] += exp["gen_s"]
         totals["train_s"] += train_s
-        bar.set_postfix(gen=f"{exp['gen_s']:.2f}s", train=f"{train_s:.2f}s", actor=f"{a_loss:.3f}",
-                        critic=f"{c_loss:.3f}", reward=f"{score:.3f}")
+        stats = dict(gen=f"{exp['gen_s']:.2f}s", train=f"{train_s:.2f}s", actor=f"{a_loss:.3f}",
+                     critic=f"{c_loss:.3f}", reward=f"{score:.3f}")
+        if actor.device.type == "cuda":  # peak memory of the whole PPO iteration
+            totals["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            stats["peak"] = f"{totals['peak_gib']:.1f}GiB"
+            torch.cuda.reset_peak_memory_stats()
+        bar.set_postfix(**stats)
     actor.eval()  # prints the last iteration's hybrid-engine latency line
     totals.update(actor_loss=a_loss, critic_loss=c_loss, iters=float(args.iters))
     return totals
