@@ -1,7 +1,7 @@
 """RLHF actor benchmark (issue 23): generation, training step and switch time of one engine.
 
     python benchmarks/rlhf_bench.py --quick                  # 1.1B, ~5 device minutes
-    python benchmarks/rlhf_bench.py                          # 1.1B and 7B, batch 16 and 64
+    python benchmarks/rlhf_bench.py --sizes 1.1b --out rows.json   # then --sizes 7b, same --out
     python benchmarks/rlhf_bench.py --device cpu --sizes tiny --batches 2 --prompt 16 --new 8
 
 Each (size, variant, batch) runs in a fresh process. One PPO-style actor iteration is
@@ -49,7 +49,7 @@ def _config(size: str, variant: str, args: argparse.Namespace, max_tokens: int) 
     cuda = args.device == "cuda"
     zero: Dict[str, Any] = {"stage": 3}
     if size == "7b" and cuda:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = {"device": "cpu"}  # 84 GB of fp32 masters + Adam states
     cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": args.train_batch,
                            "zero_optimization": zero, "bf16": {"enabled": cuda},
                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-6}},
@@ -209,6 +209,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--timeout", type=int, default=900, help="seconds per child process")
     p.add_argument("--quick", action="store_true",
                    help="1.1B, batch 16, 128 new tokens, shardwise variants, one timed iteration")
+    p.add_argument("--out", default=None, help="JSON file of rows: rows of earlier (split) runs "
+                   "are read first, this run's are added, and the tables cover them all")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -219,13 +221,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.child:
         print(json.dumps(measure(sizes[0], variants[0], batches[0], args)), flush=True)
         return 0
-    rows = []
+    rows: List[Dict[str, Any]] = []
+    if args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            rows = json.load(f)
     for size in sizes:
         for batch in batches:
             for variant in variants:
                 row = _child(args, size, variant, batch)
+                rows = [r for r in rows if (r["size"], r["variant"], r["batch"]) != (size, variant, batch)]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(rows, f, indent=1)
     print_tables(rows)
     return 0
 
