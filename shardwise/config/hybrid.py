@@ -18,8 +18,8 @@ class HybridEngineConfig(ConfigModel):
     max_out_tokens: int = Field(512, ge=1)
     """Length of the static KV cache: prompt + new tokens of one ``generate`` call at most."""
     inference_tp_size: int = Field(1, ge=1)
-    """Tensor-parallel degree of generation. Only 1 is implemented; larger values are an error
-    at initialize naming the key."""
+    """Tensor-parallel degree of generation: groups of this many consecutive ranks decode their
+    prompts together on AutoTP shards of the gathered weights (training stays ZeRO)."""
     release_inference_cache: bool = False
     """Free the static KV cache after every ``generate`` (True) or keep it for the next call
     of the same batch shape (False, DeepSpeed's default)."""

@@ -18,6 +18,9 @@ inference layout for one call:
    ``release_inference_cache: true`` so training memory is exactly what it was;
 4. decode: the whole generation runs on the copy.
 
+With ``inference_tp_size`` N > 1, groups of N ranks decode their all-gathered prompts together
+on AutoTP shards of the gathered weights (rebuilt per call) and each rank keeps its rows.
+
 Models the fast path does not cover, and ``generate`` settings it does not implement (beam
 search, ...), run the module's own Hugging Face ``generate`` inside one
 ``GatheredParameters`` instead (one warning names why).
@@ -41,6 +44,7 @@ from ..errors import ConfigError
 from ..utils.logging import log_dist, warn_once
 from ..zero import GatheredParameters
 from .engine import ShardwiseEngine
+from ..inference.tp import TPPlan, make_plan
 from .hybrid_weights import OTHER, InferenceCopy, hf_model, lora_layers, lora_params
 
 
@@ -50,13 +54,14 @@ class HybridEngine(ShardwiseEngine):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         he = self.config.hybrid_engine
-        if he.inference_tp_size > 1:
-            raise ConfigError(
-                f"hybrid_engine.inference_tp_size = {he.inference_tp_size}: tensor-parallel "
-                f"generation inside the hybrid engine is not yet supported (only 1 is). Set "
-                f"\"inference_tp_size\": 1; each data-parallel rank then generates for its own "
-                f"prompts with the whole gathered model.")
         self._hybrid = he
+        self._tp: Optional[TPPlan] = None
+        if he.inference_tp_size > 1:  # AutoTP groups of consecutive ranks for generation
+            try:
+                self._tp = make_plan(he.inference_tp_size)
+            except ConfigError as err:
+                raise ConfigError(f"hybrid_engine.inference_tp_size = {he.inference_tp_size}: "
+                                  f"{err}".replace("tensor_parallel.tp_size", "inference_tp_size")) from None
         self._copy: Optional[InferenceCopy] = None
         self._fast_reason: Optional[str] = None
         # DeepSpeed's performance counters (seconds)
@@ -94,20 +99,24 @@ class HybridEngine(ShardwiseEngine):
         """The copy holding the current weights (built on first use); None: not supported."""
         if self._fast_reason is not None:
             return None
-        if self._copy is not None:
+        if self._copy is not None and self._tp is None:
             self._refresh(self._copy)
             return self._copy
         from ..inference.arch import Unsupported
+        self._copy = None  # under AutoTP the shards are rebuilt per call
         try:
             with GatheredParameters(self._all_params()):
-                self._copy = InferenceCopy.build(self.module, self._hybrid.max_out_tokens)
+                self._copy = InferenceCopy.build(self.module, self._hybrid.max_out_tokens, self._tp)
+        except ConfigError as err:
+            raise ConfigError(str(err).replace("tensor_parallel.tp_size",
+                                               "hybrid_engine.inference_tp_size")) from None
         except Unsupported as why:
             self._fast_reason = str(why)
             warn_once(f"hybrid_engine: the fast decode path does not support this model ({why}); "
                       f"generate() gathers the weights once per call and runs the module's own "
                       f"Hugging Face generate.")
             return None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self._tp is None:
             self._copy.decoder.compile_step(cuda_graph=True)
         log_dist(f"hybrid_engine: inference copy built ({self._copy.nbytes() / 2**20:.1f} MiB, "
                  f"{self._copy.decoder.spec.family} layout, max_out_tokens "
@@ -138,16 +147,20 @@ class HybridEngine(ShardwiseEngine):
         self._gather_latency = time.perf_counter() - t0
         out = None
         if copy is not None:
-            out = self._fast_generate(copy, ids, kwargs)
+            out = (self._fast_generate(copy, ids, kwargs) if self._tp is None
+                   else self._tp_generate(copy, ids, kwargs))
         if out is None:
             with GatheredParameters(self._all_params()):
                 out = self.module.generate(ids, *inputs[1:], **kwargs)
-        if self._hybrid.release_inference_cache:
-            self.release_inference_copy()
+        if self._hybrid.release_inference_cache or self._tp is not None:
+            self.release_inference_copy()  # (AutoTP shards are rebuilt per call anyway)
         self._generate_latency = time.perf_counter() - t0 - self._gather_latency
         self.generate_stats = {"gather_s": self._gather_latency, "decode_s": self._generate_latency,
                                "new_tokens": float(out.shape[1] - ids.shape[1]),
-                               "copy_bytes": float(copy.nbytes() if copy is not None else 0)}
+                               "copy_bytes": float(copy.nbytes() if copy is not None else 0),
+                               "tp_size": float(self._tp.size if self._tp is not None else 1),
+                               "proj_rows": float(copy.decoder.blocks[0].qkv.weight.shape[0]
+                                                  if copy is not None else 0)}
         return out
 
     def _fast_generate(self, copy: InferenceCopy, ids: torch.Tensor,
@@ -169,6 +182,36 @@ class HybridEngine(ShardwiseEngine):
         dtype = copy.decoder.spec.embed.weight.dtype
         return decode_loop(copy.decoder, ids, mask, plan.max_new, plan.pick, dtype,
                            eos=plan.eos, pad=plan.pad, stopping=stopping, streamer=plan.streamer)
+
+    def _tp_generate(self, copy: InferenceCopy, ids: torch.Tensor,
+                     kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
+        """AutoTP: the group's prompts decoded together on the sharded copy; this rank's rows."""
+        tp = self._tp
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask
+        shape = torch.tensor(ids.shape, device=ids.device)
+        shapes = [torch.empty_like(shape) for _ in range(tp.size)]
+        dist.all_gather(shapes, shape, group=tp.group)
+        if any(not torch.equal(s, shape) for s in shapes):
+            raise ConfigError(f"hybrid_engine.inference_tp_size = {tp.size}: every rank of a "
+                              f"tensor-parallel group must pass prompts of the same shape; got "
+                              f"{[tuple(s.tolist()) for s in shapes]}. Pad the prompts to one length "
+                              f"and use the same batch size on every rank.")
+        all_ids = [torch.empty_like(ids) for _ in range(tp.size)]
+        all_mask = [torch.empty_like(mask) for _ in range(tp.size)]
+        dist.all_gather(all_ids, ids.contiguous(), group=tp.group)
+        dist.all_gather(all_mask, mask.contiguous(), group=tp.group)
+        seed = torch.randint(0, 2**62, (1,), device=ids.device)  # one sampling stream per group
+        dist.broadcast(seed, src=dist.get_global_rank(tp.group, 0) if tp.group is not None else 0,
+                       group=tp.group)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(int(seed))
+            out = self._fast_generate(copy, torch.cat(all_ids), dict(kwargs, attention_mask=torch.cat(all_mask)))
+        if out is None:
+            return None
+        b = ids.shape[0]
+        return out[tp.rank * b:(tp.rank + 1) * b]
 
     # --- LoRA -----------------------------------------------------------------------------------
     def _merge_lora(self, merge: bool) -> None:

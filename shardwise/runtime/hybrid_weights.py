@@ -30,7 +30,7 @@ from torch import nn
 
 from ..inference.arch import DecoderSpec, Linear, describe_model
 from ..inference.decode import FastDecoder
-from ..inference.tp import make_plan
+from ..inference.tp import TPPlan, make_plan
 
 OTHER = -1
 """Group of the tensors outside the decoder layers (embeddings, final norm, head)."""
@@ -203,12 +203,23 @@ class InferenceCopy:
         self.groups = sorted({bd.group for bd in bindings})
 
     @classmethod
-    def build(cls, module: nn.Module, max_tokens: int) -> "InferenceCopy":
-        """Build from ``module`` (its parameters must be gathered); raises ``Unsupported``."""
+    def build(cls, module: nn.Module, max_tokens: int, plan: Optional[TPPlan] = None) -> "InferenceCopy":
+        """Build from ``module`` (its parameters must be gathered); raises ``Unsupported``.
+
+        With an active tensor-parallel ``plan`` (AutoTP) each rank keeps its share of every
+        projection; such a copy is not refreshable in place (rebuild it per call).
+        """
+        plan = plan or make_plan(1, None, None)
         b = _Builder()
         spec = _rewrite(_describe_through_lora(hf_model(module), max_tokens, b), b)
         with torch.no_grad():
-            decoder = FastDecoder(spec, make_plan(1, None, None), max_tokens)
+            if plan.active:  # the shards are cut from the LoRA-fused values
+                for holder, m, _, _ in b.pending:
+                    holder.weight.copy_(_weight_source(m, b.lora_of.get(id(m)))())
+                plan.check(spec.n_heads, spec.n_kv_heads, spec.layers[0].up.weight.shape[0])
+            decoder = FastDecoder(spec, plan, max_tokens)
+        if plan.active:
+            return cls(decoder, [])
         b.bind_linears()
         built = cls(decoder, b.bindings)
         built.refresh()  # the clones hold the base weights: fuse the LoRA deltas in

@@ -88,3 +88,20 @@ def scenario(rank: int, world: int, family: str, stage: int, hybrid: Dict[str, A
 def scenarios(rank: int, world: int, cases: list) -> list:
     """Several ``scenario`` runs in one spawn (the processes' start-up is the slow part)."""
     return [scenario(rank, world, family, stage, steps=steps) for family, stage, steps in cases]
+
+
+def tp_scenario(rank: int, world: int, family: str, stage: int) -> Dict[str, Any]:
+    """``inference_tp_size`` = world: generation on AutoTP shards, training stays ZeRO."""
+    model = tiny(family)
+    ref = copy.deepcopy(model)
+    engine, *_ = shardwise.initialize(model=model, config=config(stage, {"inference_tp_size": world}))
+    ids, mask = prompts(2, seed=10 + rank)
+    out: Dict[str, Any] = {"tokens": [], "reference": [], "proj_rows": []}
+    for step in range(2):
+        engine.eval()
+        out["tokens"].append(engine.generate(ids, attention_mask=mask, max_new_tokens=6))
+        out["proj_rows"].append(engine.generate_stats["proj_rows"])
+        out["reference"].append(reference_tokens(ref, gathered_weights(engine), ids, mask, 6))
+        engine.train()
+        train_step(engine, step * world + rank)
+    return out

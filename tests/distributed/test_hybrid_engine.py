@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.distributed._hybrid import scenarios
+from tests.distributed._hybrid import scenarios, tp_scenario
 
 CASES = [("llama", 3, 1), ("opt", 2, 1)]  # (family, ZeRO stage, training steps)
 
@@ -25,3 +25,13 @@ def test_hybrid_generate_two_ranks_stage3_and_stage2():
         for name, w in per_rank[0]["weights"].items():
             assert torch.equal(w, per_rank[1]["weights"][name]), (case, name)
         assert not torch.equal(per_rank[0]["tokens"][0], per_rank[1]["tokens"][0])  # own prompts
+
+
+def test_inference_tp_size_two_generates_on_autotp_shards():
+    results = run_distributed(tp_scenario, 2, "llama", 3)
+    full_rows = (4 + 2 + 2) * 16  # tiny Llama: 4 query + 2 KV heads of 16, fused q/k/v rows
+    for rank, r in enumerate(results):
+        for got, want in zip(r["tokens"], r["reference"]):
+            assert torch.equal(got, want), (rank, got, want)
+        assert r["proj_rows"] == [full_rows / 2] * 2  # each rank holds half of each projection
+        assert not torch.equal(r["tokens"][0], r["tokens"][-1])

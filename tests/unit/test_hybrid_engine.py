@@ -62,8 +62,8 @@ def test_release_inference_cache_frees_the_copy_and_training_weights_stay_partit
     assert keep._copy is not None and keep.generate_stats["copy_bytes"] > 0
 
 
-def test_inference_tp_size_above_one_is_a_clear_error():
-    with pytest.raises(ConfigError, match="inference_tp_size"):
+def test_inference_tp_size_larger_than_the_world_is_a_clear_error():
+    with pytest.raises(ConfigError, match="inference_tp_size = 2"):
         shardwise.initialize(model=tiny("llama"), config=config(3, {"inference_tp_size": 2}))
 
 
