@@ -114,6 +114,8 @@ def engines(args):
     torch.manual_seed(args.seed)
     actor_model = shardwise_model(args, s, s["layers"], max_len)
     ref_model = copy.deepcopy(actor_model)
+    if args.lora_dim > 0:  # DeepSpeed-Chat's --actor_lora_dim: train LoRA adapters only
+        actor_model = with_lora(actor_model, args.lora_dim)
     small = max(2, s["layers"] // 2)
     critic_model = ValueModel(lm_config(args.family, s, small, max_len))
     reward_model = ValueModel(lm_config(args.family, s, small, max_len)).to(dtype).eval()
@@ -125,6 +127,7 @@ def engines(args):
     actor, *_ = shardwise.initialize(model=actor_model, config=dict(
         base, optimizer={"type": "AdamW", "params": {"lr": args.actor_lr}},
         hybrid_engine={"enabled": True, "max_out_tokens": max_len,
+                       "inference_tp_size": args.inference_tp_size,
                        "release_inference_cache": args.release_inference_cache}))
     critic, *_ = shardwise.initialize(model=critic_model, config=dict(
         base, optimizer={"type": "AdamW", "params": {"lr": args.critic_lr}}))
@@ -132,6 +135,18 @@ def engines(args):
                                    max_out_tokens=max_len)
     reward_model.to(actor.device)
     return actor, ref, critic, reward_model
+
+
+def with_lora(model: nn.Module, dim: int) -> nn.Module:
+    try:
+        import peft
+    except ImportError:
+        raise SystemExit("--lora-dim needs PEFT: pip install peft") from None
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "gate_proj",
+               "out_proj", "fc1", "fc2"]
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    lora = peft.LoraConfig(r=dim, lora_alpha=2 * dim, target_modules=[t for t in targets if t in present])
+    return peft.get_peft_model(model, lora)
 
 
 def shardwise_model(args, s, layers, max_len):
@@ -193,6 +208,9 @@ def main(argv=None) -> Dict[str, float]:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--offload", action="store_true", help="offload the optimizers to CPU")
     p.add_argument("--release-inference-cache", action="store_true")
+    p.add_argument("--inference-tp-size", type=int, default=1,
+                   help="hybrid_engine.inference_tp_size: tensor-parallel generation groups")
+    p.add_argument("--lora-dim", type=int, default=0, help="train LoRA adapters of this rank (PEFT)")
     p.add_argument("--actor-lr", type=float, default=1e-4)
     p.add_argument("--critic-lr", type=float, default=5e-5)
     p.add_argument("--kl-coef", type=float, default=0.1)
