@@ -3,6 +3,7 @@ gathered ZeRO-2/3 weights; tokens equal a plain reference holding the same weigh
 and after an optimizer step, and training keeps parity with an engine that never generated."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -27,6 +28,7 @@ def test_hybrid_generate_two_ranks_stage3_and_stage2():
         assert not torch.equal(per_rank[0]["tokens"][0], per_rank[1]["tokens"][0])  # own prompts
 
 
+@pytest.mark.slow
 def test_inference_tp_size_two_generates_on_autotp_shards():
     results = run_distributed(tp_scenario, 2, "llama", 3)
     full_rows = (4 + 2 + 2) * 16  # tiny Llama: 4 query + 2 KV heads of 16, fused q/k/v rows
