@@ -278,5 +278,10 @@ class HybridEngine(ShardwiseEngine):
             self._training_latency += now - self._training_start_time
             self._training_start_time = now
 
+    def destroy(self) -> None:
+        """DeepSpeed's ``engine.destroy()``, and the inference copy is freed."""
+        self._copy = None
+        super().destroy()
+
     def __repr__(self) -> str:
         return "Hybrid" + super().__repr__()
