@@ -45,8 +45,10 @@ def test_gather_by_layer_groups_and_released_cache():
     _check(result)
 
 
-def test_offload_stage3():
-    _check(scenario(0, 1, "opt", 3, offload=True))
+@pytest.mark.parametrize("stage", [2, 3])
+def test_optimizer_and_parameter_offload(stage):
+    # stage 3: offload_optimizer + offload_param to CPU; stage 2: offload_optimizer
+    _check(scenario(0, 1, "opt", stage, offload=True))
 
 
 def test_release_inference_cache_frees_the_copy_and_training_weights_stay_partitioned():
