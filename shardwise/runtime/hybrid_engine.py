@@ -42,9 +42,9 @@ import torch.distributed as dist
 from ..accelerator import get_accelerator
 from ..errors import ConfigError
 from ..utils.logging import log_dist, warn_once
+from ..inference.tp import TPPlan, make_plan
 from ..zero import GatheredParameters
 from .engine import ShardwiseEngine
-from ..inference.tp import TPPlan, make_plan
 from .hybrid_weights import OTHER, InferenceCopy, hf_model, lora_layers, lora_params
 
 
@@ -207,7 +207,8 @@ class HybridEngine(ShardwiseEngine):
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(int(seed))
-            out = self._fast_generate(copy, torch.cat(all_ids), dict(kwargs, attention_mask=torch.cat(all_mask)))
+            group_kwargs = dict(kwargs, attention_mask=torch.cat(all_mask))
+            out = self._fast_generate(copy, torch.cat(all_ids), group_kwargs)
         if out is None:
             return None
         b = ids.shape[0]
