@@ -19,6 +19,7 @@ _LAZY = {
     "add_config_arguments": ("shardwise.runtime.initialize", "add_config_arguments"),
     "init_distributed": ("shardwise.comm", "init_distributed"),
     "ShardwiseEngine": ("shardwise.runtime.engine", "ShardwiseEngine"),
+    "HybridEngine": ("shardwise.runtime.hybrid_engine", "HybridEngine"),
     "estimate_memory": ("shardwise.profiling.memory_estimator", "estimate_memory"),
     "estimate_zero2_model_states_mem_needs_all_live":
         ("shardwise.profiling.memory_estimator", "estimate_zero2_model_states_mem_needs_all_live"),

@@ -22,7 +22,6 @@ IGNORED_SECTIONS: Dict[str, str] = {
     "amp": "NVIDIA Apex is not used; use \"bf16\", \"fp16\" or \"torch_autocast\"",
     "zero_force_ds_cpu_optimizer": "offloaded optimizer steps always run torch's own CPU optimizer "
                                    "(there is no compiled DeepSpeedCPUAdam)",
-    "hybrid_engine": "the RLHF hybrid train/inference engine is not implemented",
     "eigenvalue": "eigenvalue-based quantization scheduling is not implemented",
     "progressive_layer_drop": "progressive layer dropping is not implemented",
     "quantize_training": "quantization-aware training (MoQ) is not implemented",

@@ -19,6 +19,7 @@ from .models import (ActivationCheckpointingConfig, AioConfig, BF16Config, Check
 from .monitor import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from .profiling import CommsLoggerConfig, FlopsProfilerConfig
 from .fp8 import FP8Config
+from .hybrid import HybridEngineConfig
 from .zero import ZeroConfig
 from .autotuning import AutotuningConfig
 
@@ -140,8 +141,8 @@ class ShardwiseConfig(ConfigModel):
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     zero_force_ds_cpu_optimizer: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    hybrid_engine: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    """DeepSpeed's Hybrid Engine (runtime/hybrid_engine.py): ``generate()`` on the training engine."""
     eigenvalue: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     progressive_layer_drop: Any = None
@@ -189,22 +190,11 @@ class ShardwiseConfig(ConfigModel):
     _notes: List[str] = PrivateAttr(default_factory=list)
     _infos: List[str] = PrivateAttr(default_factory=list)
 
-    @field_validator("autotuning", mode="before")
-    @classmethod
-    def _null_autotuning(cls, value: Any) -> Any:
-        return {} if value is None or value is False else value
-
-    @field_validator("compile", "tensorboard", "csv_monitor", "wandb", "comet", mode="before")
-    @classmethod
-    def _null_compile(cls, value: Any) -> Any:
-        # "compile": null (or false) is DeepSpeed's "no section": the defaults, off (same for
-        # the monitor sections).
-        return {} if value is None or value is False else value
-
-    @field_validator("flops_profiler", "comms_logger", mode="before")
+    @field_validator("compile", "tensorboard", "csv_monitor", "wandb", "comet", "flops_profiler",
+                     "comms_logger", "autotuning", "hybrid_engine", mode="before")
     @classmethod
     def _null_section(cls, value: Any) -> Any:
-        # a section given as null (or false) is no section: the defaults, off
+        # a section given as null (or false) is DeepSpeed's "no section": the defaults, off
         return {} if value is None or value is False else value
 
     @field_validator("steps_per_print", mode="before")

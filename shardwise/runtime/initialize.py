@@ -202,7 +202,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
 
     engine_kwargs = dict(module=model, config=cfg, optimizer=opt, lr_scheduler=None,
                          strategy=strategy, loss_scaler=scaler, device=device, dp_group=dp_group)
-    engine = ShardwiseEngine(**engine_kwargs)
+    engine_cls = ShardwiseEngine
+    if cfg.hybrid_engine.enabled:  # DeepSpeed's Hybrid Engine: the same engine plus generate()
+        from .hybrid_engine import HybridEngine
+        engine_cls = HybridEngine
+    engine = engine_cls(**engine_kwargs)
     engine.lr_scheduler = _build_scheduler(lr_scheduler, cfg, engine.optimizer.inner if opt else None)
     if training_data is not None:
         engine.training_dataloader = ShardwiseDataLoader(

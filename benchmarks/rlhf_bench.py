@@ -1,0 +1,243 @@
+"""RLHF actor benchmark (issue 23): generation, training step and switch time of one engine.
+
+    python benchmarks/rlhf_bench.py --quick                  # 1.1B, ~5 device minutes
+    python benchmarks/rlhf_bench.py --sizes 1.1b --out rows.json   # then --sizes 7b, same --out
+    python benchmarks/rlhf_bench.py --device cpu --sizes tiny --batches 2 --prompt 16 --new 8
+
+Each (size, variant, batch) runs in a fresh process. One PPO-style actor iteration is
+``eval() -> generate(batch prompts, new tokens) -> train() -> forward/backward/step`` on a
+random-init Llama (bf16, ZeRO-3, AdamW; the 7B offloads its optimizer to CPU on one GPU).
+Variants:
+
+* ``sw_hybrid``: shardwise with ``hybrid_engine`` (gather once, in-place refreshed fast path);
+* ``sw_zero3``: shardwise ZeRO-3 without it: ``engine.generate`` is the module's Hugging Face
+  ``generate``, whose ZeRO-3 hooks gather every layer for every token;
+* ``ds_hybrid``: DeepSpeed's ``hybrid_engine`` (its inference kernels are JIT-built on first
+  use; a failure is reported as the row's error).
+
+Reported per row: generation tokens/s (batch x new tokens / generate time, prefill included),
+train step time, switch time (train -> generate -> train: the gather + copy into the
+inference layout + release; 0 for plain ZeRO-3, which never switches), one full all-gather of
+the parameters for scale, peak memory of the iteration and the first iteration's time (build,
+compile, graph capture). The ratio table comes last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256),
+    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000),
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=32000),
+}
+VARIANTS = ["sw_hybrid", "sw_zero3", "ds_hybrid"]
+LABELS = {"sw_hybrid": "shardwise hybrid", "sw_zero3": "ZeRO-3 module.generate",
+          "ds_hybrid": "DeepSpeed hybrid"}
+
+
+# --- one measurement (child process) -------------------------------------------------------
+def _config(size: str, variant: str, args: argparse.Namespace, max_tokens: int) -> Dict[str, Any]:
+    cuda = args.device == "cuda"
+    zero: Dict[str, Any] = {"stage": 3}
+    if size == "7b" and cuda:
+        zero["offload_optimizer"] = {"device": "cpu"}  # 84 GB of fp32 masters + Adam states
+    cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": args.train_batch,
+                           "zero_optimization": zero, "bf16": {"enabled": cuda},
+                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-6}},
+                           "steps_per_print": 10 ** 6}
+    if variant != "sw_zero3":
+        cfg["hybrid_engine"] = {"enabled": True, "max_out_tokens": max_tokens}
+    return cfg
+
+
+def _build(size: str, device: str) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(**SIZES[size], max_position_embeddings=4096, eos_token_id=None,
+                      bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _engine(size: str, variant: str, args: argparse.Namespace, max_tokens: int):
+    model = _build(size, args.device)
+    cfg = _config(size, variant, args, max_tokens)
+    if variant.startswith("ds"):
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(k, v)
+        import deepspeed
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        return engine, deepspeed.zero.GatheredParameters
+    import shardwise
+    engine, *_ = shardwise.initialize(model=model, config=cfg)
+    return engine, shardwise.zero.GatheredParameters
+
+
+def _sync(device: str) -> None:
+    import torch
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _iteration(engine: Any, variant: str, ids: Any, new: int, train_batch: int, device: str):
+    import torch
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    engine.eval()
+    _sync(device)
+    t0 = time.perf_counter()
+    seq = engine.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                          min_new_tokens=new, do_sample=False)
+    _sync(device)
+    gen_s = time.perf_counter() - t0
+    switch_s = 0.0
+    if variant == "sw_hybrid":
+        switch_s = engine.generate_stats["gather_s"]
+    elif variant == "ds_hybrid":
+        switch_s = float(engine._gather_latency)
+    engine.train()
+    t1 = time.perf_counter()
+    micro = seq[:train_batch]
+    loss = engine(micro, labels=micro).loss
+    engine.backward(loss)
+    engine.step()
+    _sync(device)
+    train_s = time.perf_counter() - t1
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+    return dict(gen_s=gen_s, switch_s=switch_s, train_s=train_s, peak_gib=peak,
+                iter_s=time.perf_counter() - t0)
+
+
+def measure(size: str, variant: str, batch: int, args: argparse.Namespace) -> Dict[str, Any]:
+    import torch
+    row: Dict[str, Any] = {"size": size, "variant": variant, "batch": batch}
+    t0 = time.perf_counter()
+    engine, gathered = _engine(size, variant, args, args.prompt + args.new)
+    ids = torch.randint(0, SIZES[size]["vocab_size"], (batch, args.prompt), device=args.device)
+    params = list(engine.module.parameters())
+    _sync(args.device)
+    g0 = time.perf_counter()
+    with gathered(params):
+        _sync(args.device)
+    _sync(args.device)
+    row["allgather_s"] = time.perf_counter() - g0
+    _iteration(engine, variant, ids, args.new, args.train_batch, args.device)  # build/compile/warm
+    row["first_iter_s"] = time.perf_counter() - t0
+    runs = [_iteration(engine, variant, ids, args.new, args.train_batch, args.device)
+            for _ in range(args.repeats)]
+    best = min(runs, key=lambda r: r["iter_s"])
+    row.update(best, gen_tok_s=batch * args.new / best["gen_s"])
+    return row
+
+
+# --- the driver ----------------------------------------------------------------------------
+def _child(args: argparse.Namespace, size: str, variant: str, batch: int) -> Dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", "--sizes", size, "--variants", variant,
+           "--batches", str(batch), "--prompt", str(args.prompt), "--new", str(args.new),
+           "--train-batch", str(args.train_batch), "--device", args.device,
+           "--repeats", str(args.repeats)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"size": size, "variant": variant, "batch": batch, "error": f"timeout {args.timeout}s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"size": size, "variant": variant, "batch": batch, "error": " | ".join(tail)[-300:]}
+
+
+def _find(rows: List[Dict[str, Any]], row: Dict[str, Any], variant: str) -> Optional[Dict[str, Any]]:
+    for other in rows:
+        if (other["size"], other["batch"], other["variant"]) == (row["size"], row["batch"], variant) \
+                and "error" not in other:
+            return other
+    return None
+
+
+def _ratio(a: Optional[Dict[str, Any]], b: Optional[Dict[str, Any]], key: str) -> str:
+    if a is None or b is None or not b.get(key):
+        return "-"
+    return f"{a[key] / b[key]:.2f}x"
+
+
+def print_tables(rows: List[Dict[str, Any]]) -> None:
+    print(f"\n{'size':5} {'variant':24} {'B':>3} {'gen tok/s':>10} {'gen s':>7} {'train s':>8} "
+          f"{'switch s':>8} {'allgather s':>11} {'peak GiB':>8} {'1st iter s':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['size']:5} {LABELS[r['variant']]:24} {r['batch']:>3} FAILED: {r['error']}")
+            continue
+        print(f"{r['size']:5} {LABELS[r['variant']]:24} {r['batch']:>3} {r['gen_tok_s']:10.1f} "
+              f"{r['gen_s']:7.2f} {r['train_s']:8.2f} {r['switch_s']:8.3f} {r['allgather_s']:11.3f} "
+              f"{r['peak_gib']:8.1f} {r['first_iter_s']:10.1f}")
+    print(f"\nratios: {'size':5} {'B':>3} {'gen vs ZeRO-3 (>=10x)':>22} {'gen vs DeepSpeed (>=1.2x)':>26} "
+          f"{'switch / allgather (<=2x)':>26}")
+    for r in rows:
+        if r["variant"] != "sw_hybrid" or "error" in r:
+            continue
+        switch = f"{r['switch_s'] / r['allgather_s']:.2f}x" if r["allgather_s"] > 0 else "-"
+        print(f"        {r['size']:5} {r['batch']:>3} "
+              f"{_ratio(r, _find(rows, r, 'sw_zero3'), 'gen_tok_s'):>22} "
+              f"{_ratio(r, _find(rows, r, 'ds_hybrid'), 'gen_tok_s'):>26} {switch:>26}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="RLHF actor: hybrid engine vs ZeRO-3 generate vs DeepSpeed")
+    p.add_argument("--sizes", default="1.1b,7b")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--batches", default="16,64")
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--train-batch", type=int, default=8, help="sequences per training micro step")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per child process")
+    p.add_argument("--quick", action="store_true",
+                   help="1.1B, batch 16, 128 new tokens, shardwise variants, one timed iteration")
+    p.add_argument("--out", default=None, help="JSON file of rows: rows of earlier (split) runs "
+                   "are read first, this run's are added, and the tables cover them all")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.batches, args.new, args.repeats = "1.1b", "16", 128, 1
+        args.variants, args.timeout = "sw_hybrid,sw_zero3", min(args.timeout, 240)
+    sizes, variants = args.sizes.split(","), args.variants.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.child:
+        print(json.dumps(measure(sizes[0], variants[0], batches[0], args)), flush=True)
+        return 0
+    rows: List[Dict[str, Any]] = []
+    if args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            rows = json.load(f)
+    for size in sizes:
+        for batch in batches:
+            for variant in variants:
+                row = _child(args, size, variant, batch)
+                rows = [r for r in rows if (r["size"], r["variant"], r["batch"]) != (size, variant, batch)]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(rows, f, indent=1)
+    print_tables(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

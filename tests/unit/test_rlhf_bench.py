@@ -1,0 +1,30 @@
+"""benchmarks/rlhf_bench.py's tables: every variant's row, ratios of the hybrid engine last."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "rlhf_bench.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("rlhf_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(variant, tok_s, switch=0.0):
+    return {"size": "1.1b", "variant": variant, "batch": 16, "gen_tok_s": tok_s, "gen_s": 1.0,
+            "train_s": 0.5, "switch_s": switch, "allgather_s": 0.02, "peak_gib": 10.0,
+            "first_iter_s": 30.0}
+
+
+def test_ratio_table_comes_last(capsys):
+    rows = [_row("sw_hybrid", 3000.0, 0.03), _row("sw_zero3", 150.0),
+            {"size": "1.1b", "variant": "ds_hybrid", "batch": 16, "error": "kernel build failed"}]
+    _bench().print_tables(rows)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "FAILED: kernel build failed" in "\n".join(out)
+    last = out[-1].split()
+    assert last[:2] == ["1.1b", "16"] and last[2] == "20.00x" and last[3] == "-" and last[4] == "1.50x"
