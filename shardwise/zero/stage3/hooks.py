@@ -50,6 +50,11 @@ class _PreBackward(torch.autograd.Function):
         return (None, None, None, None, *grads)
 
 
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _collect(obj: Any, out: List[torch.Tensor]) -> None:
     if torch.is_tensor(obj):
         if obj.requires_grad and obj.is_floating_point():
@@ -160,10 +165,14 @@ class ParamCoordinator:
         keep = self._keep[pos] if self._valid and 0 <= pos < len(self._keep) else ()
         # backward starts with the tail's parameters
         tail = self.tail if self._valid and torch.is_grad_enabled() else ()
+        # a forward that runs inside backward is an activation-checkpoint recompute: its saved
+        # tensors are views of the gathered weights that the backward about to run reads, so
+        # they stay gathered until their gradient is accumulated (or backward ends)
+        recompute = _in_backward()
         for p in params:
             meta = p.sw_meta
             meta.active = max(0, meta.active - 1)
-            if meta.active == 0 and id(p) not in keep and id(p) not in tail:
+            if meta.active == 0 and not recompute and id(p) not in keep and id(p) not in tail:
                 P.release(p)
         if torch.is_grad_enabled() and (params or module is self.root):
             output = self._wrap_outputs(module, pos, output)
