@@ -14,6 +14,13 @@ does, so the same seed gives the same model on every rank and at every world siz
 the modified values. Other writes to a parameter of an already-attached module inside the
 constructor (``nn.init.zeros_(self.fc.bias)`` in a parent's ``__init__``) see an empty
 tensor and have no effect, as under DeepSpeed; wrap them in ``GatheredParameters``.
+
+Hugging Face models initialise their weights at the end of the top-level ``__init__``
+(``post_init``), after their submodules were partitioned; transformers 5.x walks the modules
+with its own ``smart_apply`` rather than ``nn.Module.apply``. So inside the context the
+``_initialize_weights(module)`` method of every class that defines one runs with ``module``'s
+own parameters and its direct children's gathered, and keeps what it wrote: the generator is
+consumed as without ``zero.Init``, and the same seed gives the same model.
 """
 from __future__ import annotations
 
@@ -150,6 +157,33 @@ class Init:
         _ORIG_INITS[cls] = orig
         cls.__init__ = __init__  # type: ignore[misc]
 
+    def _wrap_weight_init(self, cls: type) -> None:
+        """Hugging Face's per-module ``_initialize_weights(module, ...)``: run it on gathered
+        parameters (the module's own and its direct children's, which some models' init
+        writes) and keep the values it wrote."""
+        orig = cls.__dict__.get("_initialize_weights")
+        if orig is None or not callable(orig) or cls in _ORIG_WEIGHT_INITS:
+            return
+
+        @functools.wraps(orig)
+        def _initialize_weights(model: torch.nn.Module, module: torch.nn.Module,
+                                *args: Any, **kwargs: Any) -> Any:
+            if getattr(module, "_is_hf_initialized", False):
+                return orig(model, module, *args, **kwargs)
+            params = list(module._parameters.values())
+            for child in module.children():
+                if not hasattr(child, "_initialize_weights"):  # a sub-model inits its own
+                    params.extend(child._parameters.values())
+            parts = list({id(p): p for p in params
+                          if p is not None and P.is_partitioned(p)}.values())
+            if not parts:
+                return orig(model, module, *args, **kwargs)
+            with GatheredParameters(parts, modifier_rank=0):
+                return orig(model, module, *args, **kwargs)
+
+        _ORIG_WEIGHT_INITS[cls] = orig
+        cls._initialize_weights = _initialize_weights  # type: ignore[attr-defined]
+
     # --- context ------------------------------------------------------------------------
     def __enter__(self) -> "Init":
         if not self.enabled or _ACTIVE:
@@ -165,12 +199,14 @@ class Init:
             cls = todo.pop()
             todo.extend(cls.__subclasses__())
             self._wrap_init(cls)
+            self._wrap_weight_init(cls)
         self._orig_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
         ctx = self
 
         def __init_subclass__(cls, **kwargs: Any) -> None:
             super(torch.nn.Module, cls).__init_subclass__(**kwargs)
             ctx._wrap_init(cls)
+            ctx._wrap_weight_init(cls)
 
         torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
         self._handles = [_module_mod.register_module_parameter_registration_hook(self._on_param)]
@@ -207,6 +243,9 @@ class Init:
         for cls, orig in list(_ORIG_INITS.items()):
             cls.__init__ = orig  # type: ignore[misc]
         _ORIG_INITS.clear()
+        for cls, orig in list(_ORIG_WEIGHT_INITS.items()):
+            cls._initialize_weights = orig  # type: ignore[attr-defined]
+        _ORIG_WEIGHT_INITS.clear()
         if exc[0] is None:
             # modules whose class escaped the wrapping (or that were built half-way) and the
             # parameters a parent registered after its children
@@ -218,6 +257,7 @@ class Init:
 
 
 _ORIG_INITS: dict = {}
+_ORIG_WEIGHT_INITS: dict = {}
 _INIT_DEPTH: dict = {}
 _ACTIVE: list = []
 

@@ -234,3 +234,25 @@ def test_init_and_gathered_parameters_world_2() -> None:
         assert torch.all(out["after_modify"] == 1.0)
         if out["master_after_modify"] is not None:
             assert torch.all(out["master_after_modify"] == 1.0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "opt", "gpt2"])
+def test_init_runs_hugging_face_weight_init(kind: str) -> None:
+    """A model built from a config under zero.Init gets Hugging Face's own initialisation
+    (transformers 5.x runs it through ``smart_apply``, not ``nn.Module.apply``): the same
+    seed gives the same weights as a build without zero.Init (issue 18, bug 2)."""
+    import transformers
+    from shardwise.zero import Init
+    from tests.distributed._hf_tiny import build, hf_config
+    plain = dict(build(kind).named_parameters())
+    with Init():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(kind))
+    got = _full(model)
+    assert got.keys() == plain.keys()
+    emb = model.get_input_embeddings().weight
+    cfg = hf_config(kind)
+    std = cfg.init_std if kind == "opt" else cfg.initializer_range
+    assert abs(float(got[[n for n, p in model.named_parameters() if p is emb][0]].std()) - std) < std / 4
+    different = [n for n in plain if not torch.equal(got[n], plain[n].detach())]
+    assert not different, different
