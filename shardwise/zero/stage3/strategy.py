@@ -624,7 +624,9 @@ class Stage3Strategy(ZeroStrategy):
 
     # --- state_dict ---------------------------------------------------------------------
     def _state_dict_hook(self, module: torch.nn.Module, state_dict, prefix: str, local_metadata):
-        if self.world > 1 and not self.gather_on_save:
+        gathered = all(p.sw_meta.status == P.GATHERED for p in module._parameters.values()
+                       if p is not None and P.is_partitioned(p))
+        if self.world > 1 and not self.gather_on_save and not gathered:
             raise ZeroError(
                 "state_dict() under ZeRO stage 3 with world size "
                 f"{self.world}: the parameters are partitioned and "
