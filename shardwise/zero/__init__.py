@@ -13,6 +13,7 @@ _LAZY = {
     "register_external_parameter": ("shardwise.zero.init", "register_external_parameter"),
     "unregister_external_parameter": ("shardwise.zero.init", "unregister_external_parameter"),
     "ShardView": ("shardwise.zero.shard_view", "ShardView"),
+    "is_partitioned": ("shardwise.zero.stage3.partition", "is_partitioned"),
     "Stage3Strategy": ("shardwise.zero.stage3", "Stage3Strategy"),
 }
 
