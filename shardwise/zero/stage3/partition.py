@@ -81,13 +81,14 @@ class PartitionedParam:
         """The chunk as a tensor (resident storages: their own memory)."""
         return self.storage.tensor()
 
-    @property
-    def chunk(self) -> int:
-        return self.storage.numel
+    chunk: int = field(init=False)
+    """Elements per rank (padding included): the shard's size (fixed at partition time)."""
+    padded: int = field(init=False)
+    """``chunk · world``: the gathered buffer's size (asked on every prefetch)."""
 
-    @property
-    def padded(self) -> int:
-        return self.chunk * self.world
+    def __post_init__(self) -> None:
+        self.chunk = self.storage.numel
+        self.padded = self.chunk * self.world
 
     @property
     def own_lo(self) -> int:
