@@ -52,6 +52,67 @@ class DataParallelStrategy(ZeroStrategy):
         self.predivide = predivide
         self.offload = offload_device is not None
         self.frozen = list(frozen)
+        self._build_buckets(param_groups, bucket_elems=bucket_elems,
+                            offload_device=offload_device, offload_ratio=offload_ratio,
+                            pin_memory=pin_memory, grad_dtype=grad_dtype,
+                            separate_masters=separate_masters)
+        self._slot_of: Dict[torch.nn.Parameter, tuple] = {}
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                self._slot_of[slot.param] = (bucket, slot)
+        self._boundary = False
+        # parameters whose dtype is the accumulation dtype: autograd accumulates in place
+        self._direct_grads = compute_dtype == grad_dtype
+        # otherwise the buffers only exist from a window's first gradient to the step: freed
+        # in between, so the forward's activations can use that memory (the peak of a step is
+        # at the start of backward, before any gradient exists)
+        self._free_grads = not self._direct_grads
+        if self._free_grads:
+            # from the start, not only after the first step: the first forward is as high a
+            # peak as any later one, and nothing reads a gradient before backward writes one
+            for bucket in self.buckets:
+                bucket.grad_buf.untyped_storage().resize_(0)
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
+                       for b in self.buckets for slot in b.slots]
+        self._attach_grad_views()
+        self.inner: Optional[torch.optim.Optimizer] = None
+        self._setup_offload(pin_memory=pin_memory, delayed_update=delayed_update,
+                            delayed_update_warmup=delayed_update_warmup,
+                            eager_offload_step=eager_offload_step, grad_dtype=grad_dtype)
+
+    def _setup_offload(self, *, pin_memory: bool, delayed_update: bool,
+                       delayed_update_warmup: int, eager_offload_step: bool,
+                       grad_dtype: torch.dtype) -> None:
+        """The CPU-step pipeline of the offloaded buckets, and how eagerly it may run."""
+        device, compute_dtype = self.device, self.compute_dtype
+        self.pipeline: Optional[OptimizerOffload] = None
+        offloaded = [b for b in self.buckets if b.offloaded]
+        if offloaded:
+            self.pipeline = OptimizerOffload(offloaded, device=device, compute_dtype=compute_dtype,
+                                             pin=pin_memory, delayed=delayed_update,
+                                             warmup=delayed_update_warmup)
+            self.pipeline.resident = [s.master for b in self.buckets if not b.offloaded
+                                      for s in b.slots if s.master is not None]
+        # eager: step each offloaded bucket on the CPU while backward still runs (the update
+        # needs no global information: no clipping, no loss scale, everything offloaded)
+        self.eager = (self.pipeline is not None and eager_offload_step and not delayed_update
+                      and len(offloaded) == len(self.buckets))
+        # host accumulation (offloaded buckets of low-precision models): every micro step, as
+        # soon as a bucket's gradients are complete, they are reduced and streamed into its
+        # pinned fp32 partition and the device buffer is freed, as DeepSpeed does; gradient
+        # accumulation then needs no fp32 gradient buffer on the device. Not with DPU (its
+        # background step reads the pinned gradients during the next window), not with a
+        # low-precision accumulation dtype (the device sum would be rounded), and not for
+        # stage 1 without overlap_comm (it reduces on the boundary only, by definition).
+        self.host_accumulate = (self.pipeline is not None and self._free_grads and self.overlap
+                                and not delayed_update and grad_dtype == torch.float32)
+
+    def _build_buckets(self, param_groups: Sequence[Sequence[tuple]], *, bucket_elems: int,
+                       offload_device: Optional[torch.device], offload_ratio: float,
+                       pin_memory: bool, grad_dtype: torch.dtype, separate_masters: bool) -> None:
+        """Pack each group's parameters into flat buckets; the first ``offload_ratio`` of the
+        elements get their masters on ``offload_device``."""
+        compute_dtype, device = self.compute_dtype, self.device
         total = sum(p.numel() for named in param_groups for _, p in named)
         offload_budget = total * offload_ratio if self.offload else 0
         placed = 0
@@ -75,47 +136,6 @@ class DataParallelStrategy(ZeroStrategy):
                 self.buckets.append(bucket)
                 group_buckets.append(bucket)
             self.groups.append(group_buckets)
-        self._slot_of: Dict[torch.nn.Parameter, tuple] = {}
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                self._slot_of[slot.param] = (bucket, slot)
-        self._boundary = False
-        # parameters whose dtype is the accumulation dtype: autograd accumulates in place
-        self._direct_grads = compute_dtype == grad_dtype
-        # otherwise the buffers only exist from a window's first gradient to the step: freed
-        # in between, so the forward's activations can use that memory (the peak of a step is
-        # at the start of backward, before any gradient exists)
-        self._free_grads = not self._direct_grads
-        if self._free_grads:
-            # from the start, not only after the first step: the first forward is as high a
-            # peak as any later one, and nothing reads a gradient before backward writes one
-            for bucket in self.buckets:
-                bucket.grad_buf.untyped_storage().resize_(0)
-        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
-                       for b in self.buckets for slot in b.slots]
-        self._attach_grad_views()
-        self.inner: Optional[torch.optim.Optimizer] = None
-        self.pipeline: Optional[OptimizerOffload] = None
-        offloaded = [b for b in self.buckets if b.offloaded]
-        if offloaded:
-            self.pipeline = OptimizerOffload(offloaded, device=device, compute_dtype=compute_dtype,
-                                             pin=pin_memory, delayed=delayed_update,
-                                             warmup=delayed_update_warmup)
-            self.pipeline.resident = [s.master for b in self.buckets if not b.offloaded
-                                      for s in b.slots if s.master is not None]
-        # eager: step each offloaded bucket on the CPU while backward still runs (the update
-        # needs no global information: no clipping, no loss scale, everything offloaded)
-        self.eager = (self.pipeline is not None and eager_offload_step and not delayed_update
-                      and len(offloaded) == len(self.buckets))
-        # host accumulation (offloaded buckets of low-precision models): every micro step, as
-        # soon as a bucket's gradients are complete, they are reduced and streamed into its
-        # pinned fp32 partition and the device buffer is freed, as DeepSpeed does; gradient
-        # accumulation then needs no fp32 gradient buffer on the device. Not with DPU (its
-        # background step reads the pinned gradients during the next window), not with a
-        # low-precision accumulation dtype (the device sum would be rounded), and not for
-        # stage 1 without overlap_comm (it reduces on the boundary only, by definition).
-        self.host_accumulate = (self.pipeline is not None and self._free_grads and self.overlap
-                                and not delayed_update and grad_dtype == torch.float32)
 
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
         self.inner = inner

@@ -63,6 +63,7 @@ def test_hf_gradient_checkpointing_under_stage3_world_1(kind: str) -> None:
     assert not bad, bad
 
 
+@pytest.mark.slow  # three models trained in two spawned ranks
 def test_checkpointed_stage3_matches_plain_model_world_2() -> None:
     runs = [("llama", "full", False), ("gqa", "selective", True), ("opt", "hf", True)]
     per_rank = run_distributed(train, 2, runs)

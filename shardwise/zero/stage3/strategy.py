@@ -1,5 +1,12 @@
 """ZeRO stage 3: parameters, gradients and optimizer states all partitioned.
 
+The strategy composes the lifecycle pieces: :class:`~.params.Stage3Params` (placement,
+gather/release hooks, state_dict; also the parameters-only stage 3 of inference),
+:class:`~.grad_reduce.GradReducer` (each gradient reduce-scattered as autograd finishes it)
+and, here, this rank's fp32 masters and their step; the host side of an offloaded step
+(gradient streaming, eager piece steps, the delayed update's background step) lives in
+``shardwise.offload``.
+
 Layout (see ``partition.py``): each large parameter keeps only this rank's chunk (its
 *shard*, compute dtype, on the accelerator or on the CPU under ``offload_param``); small
 parameters (fewer than ``param_persistence_threshold`` elements) stay whole on every rank.
@@ -34,7 +41,8 @@ from ...accelerator import get_accelerator
 from ...offload.background_step import submit_background_step
 from ...offload.cpu_worker import cpu_step_pool, detached_step
 from ...offload.host_grads import HostGradAccumulator, alloc_host
-from ...offload.step_subset import HiddenGrads, step_subset
+from ...offload.eager_steps import EagerSteps
+from ...offload.step_subset import HiddenGrads
 from ...utils.logging import log_dist
 from ..data_parallel import DataParallelStrategy
 from ..shard_view import ShardView
@@ -100,13 +108,10 @@ class Stage3Strategy(ZeroStrategy):
         self._boundary = False
         self._final: Set[int] = set()
         """Parameters whose boundary gradient is final on the host (norm taken, maybe stepped)."""
-        self._ready: List[torch.nn.Parameter] = []
-        self._ready_elems = 0
-        self._stepped: Set[int] = set()
-        self._eager_window = False
-        self._hidden = HiddenGrads()
-        """Every master's gradient during an eager window: the worker's steps see only
-        the pieces they update."""
+        self.eager_steps = EagerSteps(
+            pieces=self.piece, grads=lambda: self.grad_of, batch_elems=self.reduce_bucket // 10,
+            prescale=lambda: 1.0 / self.grad_divisor,
+            write_back=self._write_stepped if self.offload_param else None)
         self._written: Set[int] = set()
         """Parameters whose partition received a gradient in this window: the first one
         overwrites (so partitions need no zeroing pass), the others add."""
@@ -140,7 +145,8 @@ class Stage3Strategy(ZeroStrategy):
         self.eager = (self.offload_opt and not self.delayed and not self._fp16
                       and not float(config.gradient_clipping or 0) > 0)
 
-    def _build_whole(self, config, groups: List[List[tuple]], frozen: List[tuple]) -> DataParallelStrategy:
+    def _build_whole(self, config, groups: List[List[tuple]],
+                     frozen: List[tuple]) -> DataParallelStrategy:
         """The persistent parameters: whole on every rank, handled like ZeRO stage 2."""
         zero = config.zero_optimization
         return DataParallelStrategy(
@@ -225,14 +231,12 @@ class Stage3Strategy(ZeroStrategy):
         self._boundary = boundary
         if boundary and self.offload_opt:
             self._acc.wait()  # the worker may still run the previous window's tasks
-            self._final, self._stepped = set(), set()
+            self._final = set()
+            self.eager_steps.reset()
             self._acc.reset_sumsq()
-            self._ready, self._ready_elems = [], 0
-            if self.eager and self._inner is not None and not self._eager_window:
-                # the worker's optimizer steps must see only the pieces they update
-                self._eager_window = True
-                self._hidden.hide(m for group in self.whole.master_param_groups() for m in group)
-                self._hidden.hide(self.piece.values())
+            if self.eager and self._inner is not None and not self.eager_steps.open:
+                self.eager_steps.start(m for group in self.whole.master_param_groups()
+                                       for m in group)
         self.whole.before_backward(boundary)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -249,8 +253,8 @@ class Stage3Strategy(ZeroStrategy):
             self.gathers.release(meta)
 
     def _kept_for_next_forward(self) -> Set[int]:
-        """Records of the parameters the next forward starts with, when no step comes between: they stay
-        gathered after this backward."""
+        """Records of the parameters the next forward starts with, when no step comes
+        between: they stay gathered after this backward."""
         return set() if self._boundary else self.coordinator.head
 
     def _deliver(self, p: torch.nn.Parameter, rec: PartitionedParam, chunk: torch.Tensor) -> None:
@@ -264,34 +268,13 @@ class Stage3Strategy(ZeroStrategy):
         if final:
             self._final.add(id(p))
         self._acc.add_into(self.grad_of[id(p)], chunk, first, final,
-                           self._finalizer(p) if final and self._eager_window else None)
+                           self.eager_steps.finalizer(id(p))
+                           if final and self.eager_steps.open else None)
 
-    # --- host-side work after a parameter's last gradient (runs on the worker) -------------
-    def _finalizer(self, p: torch.nn.Parameter):
-        """The eager step's bookkeeping once ``p``'s last gradient is on the host."""
-        def run() -> None:
-            self._ready.append(p)
-            self._ready_elems += self.grad_of[id(p)].numel()
-            if self._ready_elems >= self.reduce_bucket // 10:
-                self._step_pieces(self._ready)
-                self._ready, self._ready_elems = [], 0
-        return run
-
-    def _step_pieces(self, params: List[torch.nn.Parameter]) -> None:
-        """One inner-optimizer step over just these pieces (the others' grads are hidden),
-        then their updated values into the host shards."""
-        prescale = 1.0 / self.grad_divisor
-        subset = []
-        for p in params:
-            g = self.grad_of[id(p)]
-            if prescale != 1.0:
-                g.mul_(prescale)
-            subset.append((self.piece[id(p)], g))
-        step_subset(self._inner.step, subset)
-        self._stepped.update(id(p) for p in params)
-        if self.offload_param:
-            for p in params:
-                self.rec[id(p)].storage.write_(self.piece[id(p)])
+    def _write_stepped(self, keys: List[int]) -> None:
+        """offload_param: pieces the eager step updated, into their host shards."""
+        for key in keys:
+            self.rec[key].storage.write_(self.piece[key])
 
     def after_backward(self, boundary: bool) -> None:
         self.reducer.drain()
@@ -336,17 +319,12 @@ class Stage3Strategy(ZeroStrategy):
 
     def optimizer_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
         """Scale the fp32 gradient partitions by the engine's factor and step the masters."""
-        if self._eager_window:
+        if self.eager_steps.open:
             # the worker stepped the pieces whose gradient was final during backward (with
             # the same factor: 1/DP divisor); step the rest, then the persistent parameters
             self._acc.wait()
-            rest = [p for params in self.trainable for p in params
-                    if id(p) in self.piece and id(p) not in self._stepped]
-            if rest:
-                self._step_pieces(rest)
-            self._restore_hidden(pieces=False)
-            self.whole.optimizer_step(inner, factor)
-            self._restore_hidden(pieces=True)
+            self.eager_steps.finish([id(p) for params in self.trainable for p in params],
+                                    lambda: self.whole.optimizer_step(inner, factor))
             return
         self._delayed_now = self._next_step_delayed()
         self.steps_done += 1
@@ -424,15 +402,8 @@ class Stage3Strategy(ZeroStrategy):
 
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
         self._inner = inner
+        self.eager_steps.inner = inner
         self.whole.bind_optimizer(inner)
-
-    def _restore_hidden(self, pieces: bool) -> None:
-        """Give the gradients hidden for the eager window back (persistent masters first,
-        the pieces once the persistent step is done)."""
-        piece_ids = {id(pc) for pc in self.piece.values()}
-        self._hidden.restore(only=lambda m: (id(m) in piece_ids) == pieces)
-        if pieces:
-            self._eager_window = False
 
     def flush(self) -> None:
         """Bring a pending delayed update into the weights (before saving or evaluating)."""
@@ -446,8 +417,8 @@ class Stage3Strategy(ZeroStrategy):
             self.gathers.sweep()
             return  # written at the next boundary (or by flush), one step late by design
         self._acc.wait()
-        self._write_shards(skip=self._stepped if self.offload_param else set())
-        self._stepped = set()
+        self._write_shards(skip=self.eager_steps.stepped if self.offload_param else set())
+        self.eager_steps.stepped = set()
         self.whole.after_step(applied)
 
     def _write_shards(self, skip: Set[int]) -> None:
@@ -464,10 +435,10 @@ class Stage3Strategy(ZeroStrategy):
             get_accelerator().current_stream(self.device).synchronize()
 
     def zero_grads(self) -> None:
-        if self._eager_window:
+        if self.eager_steps.open:
             self._acc.wait()
-            self._restore_hidden(pieces=False)
-            self._restore_hidden(pieces=True)
+            self.eager_steps.restore(pieces=False)
+            self.eager_steps.restore(pieces=True)
         # nothing to clear: each partition's first gradient of the next window overwrites it
         # (master_grads zeroes those that get none); the copy stream runs in order, so the
         # next window's copies follow a delayed step's still in flight
