@@ -69,8 +69,12 @@ def build_engine(framework: str, cfg: BenchConfig) -> tuple[Any, int]:
         model = LlamaForCausalLM(llama_config(cfg))
     model.train()
     # partitioned parameters report an empty local shape; count the global shapes
-    n_params = sum(int(getattr(p, "ds_numel", 0) or getattr(p, "sw_numel", 0) or p.numel())
-                   for p in {id(p): p for p in model.parameters()}.values())
+    if framework == "sw":
+        from shardwise.zero.stage3.partition import full_numel as numel_of
+    else:
+        def numel_of(p):
+            return int(getattr(p, "ds_numel", 0) or p.numel())
+    n_params = sum(numel_of(p) for p in {id(p): p for p in model.parameters()}.values())
     engine, _, _, _ = lib.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine, n_params
 

@@ -82,11 +82,14 @@ class Accelerator:
     def has_streams(self) -> bool:
         return self.kind in ("cuda", "xpu")
 
-    def Stream(self) -> Any:  # noqa: N802 - mirrors torch.cuda.Stream
-        return self._module.Stream() if self.has_streams() else None
+    def Stream(self, device: Any = None) -> Any:  # noqa: N802 - mirrors torch.cuda.Stream
+        """A new side stream on ``device`` (the current device when None); None without streams."""
+        if not self.has_streams():
+            return None
+        return self._module.Stream(device=device) if device is not None else self._module.Stream()
 
-    def current_stream(self) -> Any:
-        return self._module.current_stream() if self.has_streams() else None
+    def current_stream(self, device: Any = None) -> Any:
+        return self._module.current_stream(device) if self.has_streams() else None
 
     def stream(self, stream: Any) -> Any:
         if stream is None or not self.has_streams():

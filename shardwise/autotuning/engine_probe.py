@@ -154,7 +154,8 @@ class EngineProbe:
 
 def full_numel(p: torch.Tensor) -> int:
     """Elements of the whole parameter, also while ZeRO-3 holds only a shard of it."""
-    return int(getattr(p, "sw_numel", p.numel()))
+    from ..zero.stage3.partition import full_numel
+    return full_numel(p)
 
 
 def _shape_of(module: torch.nn.Module) -> Dict[str, Any]:

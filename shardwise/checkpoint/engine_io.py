@@ -30,6 +30,7 @@ from ..utils.logging import log_dist, logger
 from ..zero.shard_view import ShardView
 from . import async_save as _async
 from .atomic import atomic_write_bytes, atomic_write_text, fsync_dir
+from .contract import CheckpointableEngine
 from .format import (FORMAT_NAME, FORMAT_VERSION, LATEST_FILE, META_FILE, TensorItem, dtype_to_str,
                      dumps_json, from_jsonable, rank_file_stem, read_json, resolve_tag,
                      tensor_key, to_jsonable, validate_tag, write_safetensors)
@@ -211,7 +212,7 @@ def _commit(engine: Any, root: Path, staging: Path, tag: str, meta: Dict[str, An
         _file_done()
 
 
-def save_checkpoint(engine: Any, save_dir: PathLike, tag: Optional[str] = None,
+def save_checkpoint(engine: CheckpointableEngine, save_dir: PathLike, tag: Optional[str] = None,
                     client_state: Optional[Dict[str, Any]] = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> bool:
     """Save the engine's full training state under ``save_dir/tag`` (all ranks call this).
@@ -435,7 +436,7 @@ def _load_optimizer_groups(engine: Any, reader: CheckpointReader) -> None:
                 group[key] = value
 
 
-def load_checkpoint(engine: Any, load_dir: PathLike, tag: Optional[str] = None,
+def load_checkpoint(engine: CheckpointableEngine, load_dir: PathLike, tag: Optional[str] = None,
                     load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                     **_ignored: Any) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
@@ -505,7 +506,8 @@ def _restore_training_state(engine: Any, reader: CheckpointReader, load_optimize
 # --------------------------------------------------------------------------- 16-bit export
 
 
-def save_16bit_model(engine: Any, save_dir: PathLike, save_filename: str = "model.safetensors",
+def save_16bit_model(engine: CheckpointableEngine, save_dir: PathLike,
+                     save_filename: str = "model.safetensors",
                      exclude_frozen_parameters: bool = False) -> bool:
     """Write the module's compute-dtype weights (gathered under stage 3) to one file on rank 0.
 

@@ -7,6 +7,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from ..zero.stage3.partition import full_numel
+
 #: dense bf16 peak TFLOP/s by a substring of the device name (first match wins);
 #: SHARDWISE_PEAK_TFLOPS overrides (and is the only source on a CPU)
 PEAK_TFLOPS: Tuple[Tuple[str, float], ...] = (
@@ -67,7 +69,7 @@ class FlopsModel:
         if not layers or not hidden:
             return None
         params = {id(p): p for p in module.parameters()}.values()
-        total = sum(int(getattr(p, "sw_numel", 0) or p.numel()) for p in params)
+        total = sum(full_numel(p) for p in params)
         emb = _untied_input_embedding(module)
         return cls(matmul_params=total - emb, layers=int(layers), hidden=int(hidden))
 
@@ -84,4 +86,4 @@ def _untied_input_embedding(module: torch.nn.Module) -> int:
         return 0
     if out is not None and getattr(out, "weight", None) is emb.weight:
         return 0  # tied: the table is also the LM head, a real matmul
-    return int(getattr(emb.weight, "sw_numel", 0) or emb.weight.numel())
+    return full_numel(emb.weight)

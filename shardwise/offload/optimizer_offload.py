@@ -34,8 +34,10 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ..zero.flat_buckets import Bucket
+from ..accelerator import get_accelerator
+from .buffers import HostBucket
 from .cpu_worker import cpu_step_pool, detached_step
+from .step_subset import step_subset
 
 #: fp32 elements of the device staging buffer (64 MiB).
 STAGING_ELEMS = 16 * 1024 * 1024
@@ -48,20 +50,21 @@ def _chunks(n: int):
 
 
 class OptimizerOffload:
-    def __init__(self, buckets: Sequence[Bucket], *, device: torch.device,
+    def __init__(self, buckets: Sequence[HostBucket], *, device: torch.device,
                  compute_dtype: torch.dtype, pin: bool, delayed: bool, warmup: int) -> None:
         self.buckets = list(buckets)
         self.resident: List[torch.Tensor] = []
         """Masters that stay on the device (``ratio`` < 1): hidden from the CPU step."""
         self.device = device
+        self.accel = get_accelerator()  # streams and events
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.stream = self.accel.Stream(device) if self.cuda else None
         self.pool = cpu_step_pool("shardwise-offload")
         self.delayed = delayed
         self.warmup = max(int(warmup), 0)
         self.steps_done = 0
         self._futures: List[Future] = []
-        self._eager_order: List[Bucket] = []
+        self._eager_order: List[HostBucket] = []
         self._grad_events: dict = {}
         self._h2d_events: dict = {}
         """Per bucket: the last host-to-device copy that reads its masters. A CPU step waits
@@ -78,7 +81,7 @@ class OptimizerOffload:
                     slot.master.grad = None  # attached only while that bucket is stepped
 
     # --- 1. gradients to the CPU ------------------------------------------------------------
-    def grad_ready(self, bucket: Bucket, reduced: torch.Tensor, work,
+    def grad_ready(self, bucket: HostBucket, reduced: torch.Tensor, work,
                    accumulate: bool = False) -> None:
         """Queue the device-to-host copy of a bucket's reduced gradient slice.
 
@@ -94,9 +97,9 @@ class OptimizerOffload:
             bucket.master_grad.copy_(reduced)
             self._grad_events[bucket.index] = None
             return
-        current = torch.cuda.current_stream(self.device)
+        current = self.accel.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
+        with self.accel.stream(self.stream):
             if work is not None:
                 work.wait()  # NCCL: makes the copy stream wait for the collective, not the host
             host = bucket.master_grad
@@ -112,7 +115,7 @@ class OptimizerOffload:
                     staged.copy_(part)
                     part = staged
                 host[lo:hi].copy_(part, non_blocking=True)
-            event = torch.cuda.Event()
+            event = self.accel.Event()
             event.record(self.stream)
         self._grad_events[bucket.index] = event
 
@@ -124,12 +127,12 @@ class OptimizerOffload:
     def protect_device_grads(self) -> None:
         """The compute stream must not zero the device gradients before the copies read them."""
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.accel.current_stream(self.device).wait_stream(self.stream)
 
     # --- 2. the CPU step ------------------------------------------------------------------------
-    def _step_buckets(self, step: Callable[[], None], buckets: Sequence[Bucket],
+    def _step_buckets(self, step: Callable[[], None], buckets: Sequence[HostBucket],
                       prescale: Optional[float]) -> None:
-        masters = []
+        subset = []
         for b in buckets:
             copy = self._h2d_events.get(b.index)
             if copy is not None:
@@ -141,19 +144,11 @@ class OptimizerOffload:
                 b.master_grad.mul_(prescale)
             for slot in b.slots:
                 if slot.master is not None:
-                    slot.master.grad = b.master_grad[slot.offset + slot.own_lo - b.lo:
-                                                     slot.offset + slot.own_hi - b.lo]
-                    masters.append(slot.master)
-        hidden = [(m, m.grad) for m in self.resident]
-        for m, _ in hidden:
-            m.grad = None
-        step()
-        for m in masters:
-            m.grad = None
-        for m, g in hidden:
-            m.grad = g
+                    subset.append((slot.master, b.master_grad[slot.offset + slot.own_lo - b.lo:
+                                                              slot.offset + slot.own_hi - b.lo]))
+        step_subset(step, subset, hide=self.resident)
 
-    def eager_step_bucket(self, inner: torch.optim.Optimizer, bucket: Bucket,
+    def eager_step_bucket(self, inner: torch.optim.Optimizer, bucket: HostBucket,
                           prescale: float) -> None:
         """Step one bucket in the background as soon as its gradients are on their way."""
         self._futures.append(self.pool.submit(self._step_buckets, inner.step, [bucket], prescale))
@@ -195,22 +190,22 @@ class OptimizerOffload:
         self._eager_order.clear()
 
     # --- 3. parameters back to the device -------------------------------------------------------
-    def _copy_params_to_device(self, buckets: Optional[Sequence[Bucket]] = None) -> None:
+    def _copy_params_to_device(self, buckets: Optional[Sequence[HostBucket]] = None) -> None:
         buckets = self.buckets if buckets is None else buckets
         with torch.no_grad():
             if not self.cuda:
                 for b in buckets:
                     b.param_buf[b.lo:b.hi].copy_(b.master)
                 return
-            current = torch.cuda.current_stream(self.device)
+            current = self.accel.current_stream(self.device)
             self.stream.wait_stream(current)  # backward may still be reading the parameters
-            with torch.cuda.stream(self.stream):
+            with self.accel.stream(self.stream):
                 for b in buckets:
                     for lo, hi in _chunks(b.hi - b.lo):
                         staging = self._staging[:hi - lo]
                         staging.copy_(b.master[lo:hi], non_blocking=True)
                         b.param_buf[b.lo + lo:b.lo + hi].copy_(staging)
-                done = torch.cuda.Event()
+                done = self.accel.Event()
                 done.record(self.stream)
                 for b in buckets:
                     self._h2d_events[b.index] = done

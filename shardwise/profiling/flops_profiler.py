@@ -51,8 +51,8 @@ class ModuleProfile:
 def param_numel(p: torch.Tensor) -> int:
     """Elements of a parameter; a ZeRO-3 partitioned one counts its full size (its ``.data``
     is empty between uses), as "params per GPU" means the model's, not the shard's."""
-    meta = getattr(p, "sw_meta", None)
-    return int(meta.numel) if meta is not None and hasattr(meta, "numel") else int(p.numel())
+    from ..zero.stage3.partition import full_numel
+    return full_numel(p)
 
 
 class FlopsProfiler:

@@ -20,6 +20,7 @@ from ..config import ShardwiseConfig
 from ..errors import ConfigError, ZeroError
 from ..utils.logging import log_dist
 from ..zero.shard_view import ShardView
+from ..zero.strategy import EngineStrategy
 from ..monitor import DeviceScalar, EngineTimers, MonitorMaster
 from ..monitor.throughput import FlopsModel
 from .step_logger import StepInfo, StepLogger, momentum_of
@@ -39,7 +40,7 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
 
     def __init__(self, *, module: torch.nn.Module, config: ShardwiseConfig,
                  optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any,
-                 strategy: Any, loss_scaler: Any, device: torch.device,
+                 strategy: Optional[EngineStrategy], loss_scaler: Any, device: torch.device,
                  dp_group: Optional[dist.ProcessGroup], training_dataloader: Any = None) -> None:
         super().__init__()
         self.module = module
@@ -173,10 +174,9 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without reducing them (stages 0 and 1 only, as in DeepSpeed);
         ``engine.step()`` is not allowed inside."""
-        if self.zero_optimization_stage() >= 2:
-            raise ZeroError(f"no_sync() is incompatible with ZeRO stage "
-                            f"{self.zero_optimization_stage()} (gradients are partitioned during "
-                            "backward); use gradient_accumulation_steps instead")
+        reason = self.strategy.no_sync_allowed() if self.strategy is not None else None
+        if reason:
+            raise ZeroError(reason)
         self._in_no_sync = True
         try:
             yield

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ..accelerator import get_accelerator
 from ..comm import get_local_rank, init_distributed
+from ..comm.topology import Topology
 from ..config import ShardwiseConfig, load_config
 from ..errors import ConfigError
 from ..utils.logging import log_dist, logger
@@ -155,7 +156,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
         raise ConfigError("initialize(): mpu (model parallelism) is not supported; shardwise "
                           "is data-parallel (ZeRO) only — pass mpu=None")
     init_distributed(dist_init_required=dist_init_required)
-    dp_group = None
+    topology = Topology.data_parallel()
+    dp_group = topology.dp_group
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     effects = apply_script_args(args) if args is not None else None
@@ -194,7 +196,15 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
         raise ConfigError("optimizer Lamb computes a trust ratio per whole tensor, which ZeRO "
                           f"stage {cfg.zero_optimization.stage} splits across {world} ranks; use "
                           "stage 0 or another optimizer")
-    strategy = _build_strategy(cfg, model, groups, frozen, device, dp_group) if opt is not None else None
+    if opt is not None:
+        strategy = _build_strategy(cfg, model, groups, frozen, device, dp_group)
+    elif zero.stage == 3:
+        # no optimizer (inference, ZeRO-Inference style): stage 3 still partitions the model
+        # (and offloads it under offload_param) and gathers each module around its use
+        from ..zero.stage3 import Stage3Params
+        strategy = Stage3Params(config=cfg, module=model, group=dp_group, device=device)
+    else:
+        strategy = None
     scaler = None
     if cfg.fp16.enabled:
         from ..precision import create_loss_scaler

@@ -13,6 +13,9 @@ _LAZY = {
     "register_external_parameter": ("shardwise.zero.init", "register_external_parameter"),
     "unregister_external_parameter": ("shardwise.zero.init", "unregister_external_parameter"),
     "ShardView": ("shardwise.zero.shard_view", "ShardView"),
+    "is_partitioned": ("shardwise.zero.stage3.partition", "is_partitioned"),
+    "full_numel": ("shardwise.zero.stage3.partition", "full_numel"),
+    "full_shape": ("shardwise.zero.stage3.partition", "full_shape"),
     "Stage3Strategy": ("shardwise.zero.stage3", "Stage3Strategy"),
 }
 

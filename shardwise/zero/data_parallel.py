@@ -17,9 +17,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_flat, all_reduce, broadcast, reduce_scatter_flat
+from .. import comm
+from ..comm import all_gather_flat, reduce_scatter_flat
+from ..comm.topology import group_world_rank
 from ..offload.optimizer_offload import OptimizerOffload
-from .flat_buckets import Bucket, ParamSlot, build_bucket, grad_view, plan_buckets
+from .flat_buckets import Bucket, build_bucket, grad_view, plan_buckets
 from .shard_view import ShardView
 from .strategy import ZeroStrategy
 
@@ -39,8 +41,7 @@ class DataParallelStrategy(ZeroStrategy):
         delayed update)."""
         self.stage = stage
         self.group = group
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world, self.rank = group_world_rank(group)
         self.device = device
         self.compute_dtype = compute_dtype
         self.partitioned = stage >= 1 and self.world > 1
@@ -51,29 +52,10 @@ class DataParallelStrategy(ZeroStrategy):
         self.predivide = predivide
         self.offload = offload_device is not None
         self.frozen = list(frozen)
-        total = sum(p.numel() for named in param_groups for _, p in named)
-        offload_budget = total * offload_ratio if self.offload else 0
-        placed = 0
-        self.buckets: List[Bucket] = []
-        self.groups: List[List[Bucket]] = []
-        for gi, named in enumerate(param_groups):
-            group_buckets = []
-            for run in plan_buckets(list(reversed(list(named))), bucket_elems):
-                size = sum(p.numel() for _, p in run)
-                # offload_optimizer.ratio: the first `ratio` of the elements go to the CPU
-                offloaded = self.offload and placed + size / 2 <= offload_budget
-                placed += size
-                bucket = build_bucket(len(self.buckets), gi, run, world=self.world,
-                                      rank=self.rank, partitioned=self.partitioned,
-                                      compute_dtype=compute_dtype, device=device,
-                                      master_device=offload_device if offloaded else device,
-                                      pin=pin_memory, grad_dtype=grad_dtype,
-                                      separate_master=offloaded or separate_masters)
-                bucket.extra["offloaded"] = offloaded
-                bucket.extra["grad_is_master"] = bucket.master_grad.data_ptr() == bucket.grad_buf.data_ptr()
-                self.buckets.append(bucket)
-                group_buckets.append(bucket)
-            self.groups.append(group_buckets)
+        self._build_buckets(param_groups, bucket_elems=bucket_elems,
+                            offload_device=offload_device, offload_ratio=offload_ratio,
+                            pin_memory=pin_memory, grad_dtype=grad_dtype,
+                            separate_masters=separate_masters)
         self._slot_of: Dict[torch.nn.Parameter, tuple] = {}
         for bucket in self.buckets:
             for slot in bucket.slots:
@@ -94,13 +76,22 @@ class DataParallelStrategy(ZeroStrategy):
                        for b in self.buckets for slot in b.slots]
         self._attach_grad_views()
         self.inner: Optional[torch.optim.Optimizer] = None
+        self._setup_offload(pin_memory=pin_memory, delayed_update=delayed_update,
+                            delayed_update_warmup=delayed_update_warmup,
+                            eager_offload_step=eager_offload_step, grad_dtype=grad_dtype)
+
+    def _setup_offload(self, *, pin_memory: bool, delayed_update: bool,
+                       delayed_update_warmup: int, eager_offload_step: bool,
+                       grad_dtype: torch.dtype) -> None:
+        """The CPU-step pipeline of the offloaded buckets, and how eagerly it may run."""
+        device, compute_dtype = self.device, self.compute_dtype
         self.pipeline: Optional[OptimizerOffload] = None
-        offloaded = [b for b in self.buckets if b.extra["offloaded"]]
+        offloaded = [b for b in self.buckets if b.offloaded]
         if offloaded:
             self.pipeline = OptimizerOffload(offloaded, device=device, compute_dtype=compute_dtype,
                                              pin=pin_memory, delayed=delayed_update,
                                              warmup=delayed_update_warmup)
-            self.pipeline.resident = [s.master for b in self.buckets if not b.extra["offloaded"]
+            self.pipeline.resident = [s.master for b in self.buckets if not b.offloaded
                                       for s in b.slots if s.master is not None]
         # eager: step each offloaded bucket on the CPU while backward still runs (the update
         # needs no global information: no clipping, no loss scale, everything offloaded)
@@ -115,6 +106,36 @@ class DataParallelStrategy(ZeroStrategy):
         # stage 1 without overlap_comm (it reduces on the boundary only, by definition).
         self.host_accumulate = (self.pipeline is not None and self._free_grads and self.overlap
                                 and not delayed_update and grad_dtype == torch.float32)
+
+    def _build_buckets(self, param_groups: Sequence[Sequence[tuple]], *, bucket_elems: int,
+                       offload_device: Optional[torch.device], offload_ratio: float,
+                       pin_memory: bool, grad_dtype: torch.dtype, separate_masters: bool) -> None:
+        """Pack each group's parameters into flat buckets; the first ``offload_ratio`` of the
+        elements get their masters on ``offload_device``."""
+        compute_dtype, device = self.compute_dtype, self.device
+        total = sum(p.numel() for named in param_groups for _, p in named)
+        offload_budget = total * offload_ratio if self.offload else 0
+        placed = 0
+        self.buckets: List[Bucket] = []
+        self.groups: List[List[Bucket]] = []
+        for gi, named in enumerate(param_groups):
+            group_buckets = []
+            for run in plan_buckets(list(reversed(list(named))), bucket_elems):
+                size = sum(p.numel() for _, p in run)
+                # offload_optimizer.ratio: the first `ratio` of the elements go to the CPU
+                offloaded = self.offload and placed + size / 2 <= offload_budget
+                placed += size
+                bucket = build_bucket(len(self.buckets), gi, run, world=self.world,
+                                      rank=self.rank, partitioned=self.partitioned,
+                                      compute_dtype=compute_dtype, device=device,
+                                      master_device=offload_device if offloaded else device,
+                                      pin=pin_memory, grad_dtype=grad_dtype,
+                                      separate_master=offloaded or separate_masters)
+                bucket.offloaded = offloaded
+                bucket.grad_is_master = bucket.master_grad.data_ptr() == bucket.grad_buf.data_ptr()
+                self.buckets.append(bucket)
+                group_buckets.append(bucket)
+            self.groups.append(group_buckets)
 
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
         self.inner = inner
@@ -163,7 +184,7 @@ class DataParallelStrategy(ZeroStrategy):
         bucket.pending -= 1
         if bucket.pending == 0 and self._boundary and self.overlap:
             self._launch(bucket)
-        elif bucket.pending == 0 and self.host_accumulate and bucket.extra["offloaded"]:
+        elif bucket.pending == 0 and self.host_accumulate and bucket.offloaded:
             self._stream_to_host(bucket)
 
     def _stream_to_host(self, bucket: Bucket) -> None:
@@ -189,8 +210,8 @@ class DataParallelStrategy(ZeroStrategy):
         self._materialize(bucket)  # a bucket none of whose parameters got a gradient
         if self.world == 1:
             bucket.work = _DONE
-            bucket.extra["src"] = bucket.grad_buf
-            if bucket.extra["offloaded"]:
+            bucket.reduce_src = bucket.grad_buf
+            if bucket.offloaded:
                 self._grad_to_host(bucket, None)
                 if self.eager and self._boundary:
                     self.pipeline.eager_step_bucket(self.inner, bucket, 1.0)
@@ -204,18 +225,18 @@ class DataParallelStrategy(ZeroStrategy):
             bucket.comm_buf.copy_(src)
             src = bucket.comm_buf
         if not self.partitioned:
-            bucket.work = all_reduce(src, group=self.group, async_op=True)
+            bucket.work = comm.all_reduce(src, group=self.group, async_op=True)
         else:
             # a separate output chunk: the input must stay intact while the collective runs
-            out = bucket.extra.get("rs_out")
+            out = bucket.rs_out
             if out is None or out.dtype != src.dtype:
-                direct = (not bucket.extra["offloaded"] and src.dtype == bucket.master_grad.dtype)
+                direct = (not bucket.offloaded and src.dtype == bucket.master_grad.dtype)
                 out = (bucket.master_grad if direct else
                        torch.empty(bucket.hi - bucket.lo, dtype=src.dtype, device=self.device))
-                bucket.extra["rs_out"] = out
+                bucket.rs_out = out
             bucket.work = reduce_scatter_flat(out, src, group=self.group, async_op=True)
-        bucket.extra["src"] = src
-        if bucket.extra["offloaded"]:
+        bucket.reduce_src = src
+        if bucket.offloaded:
             work, bucket.work = bucket.work, _DONE
             if work is _DONE:
                 work = None
@@ -224,16 +245,17 @@ class DataParallelStrategy(ZeroStrategy):
                 self.pipeline.eager_step_bucket(self.inner, bucket, 1.0 / self.grad_divisor)
 
     def _grad_to_host(self, bucket: Bucket, work) -> None:
-        accumulate = bucket.extra.get("host_written", False)
-        bucket.extra["host_written"] = True
+        accumulate = bucket.host_written
+        bucket.host_written = True
         self.pipeline.grad_ready(bucket, self._reduced(bucket), work, accumulate=accumulate)
 
     # --- step -----------------------------------------------------------------------------
     def _reduced(self, bucket: Bucket) -> torch.Tensor:
         """The device tensor that holds this rank's reduced gradient slice of ``bucket``."""
         if self.partitioned:
-            return bucket.extra["rs_out"]
-        return bucket.extra.get("src", bucket.grad_buf)[bucket.lo:bucket.hi]
+            return bucket.rs_out
+        src = bucket.reduce_src if bucket.reduce_src is not None else bucket.grad_buf
+        return src[bucket.lo:bucket.hi]
 
     def master_grads(self) -> List[torch.Tensor]:
         """Wait for every reduction; return this rank's reduced gradient slices (on the device,
@@ -253,7 +275,7 @@ class DataParallelStrategy(ZeroStrategy):
             self.pipeline.protect_device_grads()
         for bucket in self.buckets:
             reduced = self._reduced(bucket)
-            if not bucket.extra["offloaded"] and reduced.data_ptr() != bucket.master_grad.data_ptr():
+            if not bucket.offloaded and reduced.data_ptr() != bucket.master_grad.data_ptr():
                 bucket.master_grad.copy_(reduced)
             out.append(reduced)
         return out
@@ -261,7 +283,7 @@ class DataParallelStrategy(ZeroStrategy):
     def optimizer_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
         """Apply the engine's scale factor to the master gradients and step the optimizer."""
         for bucket in self.buckets:
-            if factor is not None and not bucket.extra["offloaded"]:
+            if factor is not None and not bucket.offloaded:
                 bucket.master_grad.mul_(factor)
         if self.pipeline is None:
             inner.step()
@@ -277,7 +299,7 @@ class DataParallelStrategy(ZeroStrategy):
         with torch.no_grad():
             for bucket in self.buckets:
                 own = bucket.param_buf[bucket.lo:bucket.hi]
-                if not bucket.extra["offloaded"] and own.data_ptr() != bucket.master.data_ptr():
+                if not bucket.offloaded and own.data_ptr() != bucket.master.data_ptr():
                     own.copy_(bucket.master)
             if self.partitioned:
                 works = [all_gather_flat(b.param_buf, b.param_buf[b.lo:b.hi], group=self.group,
@@ -289,14 +311,14 @@ class DataParallelStrategy(ZeroStrategy):
         if self.pipeline is not None:
             self.pipeline.protect_device_grads()
         for bucket in self.buckets:
-            bucket.extra["host_written"] = False
+            bucket.host_written = False
             if self._free_grads:
                 bucket.grad_buf.untyped_storage().resize_(0)
             else:
                 bucket.grad_buf.zero_()
             # offloaded slices are overwritten whole by the next copy; a delayed update may
             # still be reading them
-            if not bucket.extra["grad_is_master"] and not bucket.extra["offloaded"]:
+            if not bucket.grad_is_master and not bucket.offloaded:
                 bucket.master_grad.zero_()
         self._attach_grad_views()
 
@@ -338,9 +360,20 @@ class DataParallelStrategy(ZeroStrategy):
                     for b in self.buckets:
                         all_gather_flat(b.param_buf, b.param_buf[b.lo:b.hi], group=self.group)
                 for _, p in self.frozen:
-                    broadcast(p.data, src=_global_rank(self.group, 0), group=self.group)
+                    comm.broadcast(p.data, src=_global_rank(self.group, 0), group=self.group)
+
+    def refresh_master_of(self, param: torch.nn.Parameter) -> None:
+        """``param``'s weight was overwritten in place (``GatheredParameters`` with a
+        modifier rank): copy this rank's slice into its separate fp32 master, if it has one."""
+        _, slot = self._slot_of[param]
+        if slot.master is not None and slot.master.data_ptr() != param.data.data_ptr():
+            with torch.no_grad():
+                slot.master.copy_(param.data.reshape(-1)[slot.own_lo:slot.own_hi])
 
     def no_sync_allowed(self) -> Optional[str]:
+        if self.stage >= 2:
+            return (f"no_sync() is incompatible with ZeRO stage {self.stage} (gradients are "
+                    "partitioned during backward); use gradient_accumulation_steps instead")
         return None
 
     def remove_hooks(self) -> None:

@@ -17,7 +17,7 @@ reduce-scatter per bucket hands each rank exactly its slice (Megatron-style buck
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -63,7 +63,16 @@ class Bucket:
     """In-flight reduction handle."""
     comm_buf: Optional[torch.Tensor] = None
     """Scratch for reduced-precision communication (communication_data_type)."""
-    extra: dict = field(default_factory=dict)
+    offloaded: bool = False
+    """Its masters and their gradients live in host memory (``offload_optimizer``)."""
+    grad_is_master: bool = False
+    """``master_grad`` is a view of ``grad_buf`` itself (nothing partitioned or widened)."""
+    reduce_src: Optional[torch.Tensor] = None
+    """What the last reduction read (``grad_buf``, or its reduced-precision copy)."""
+    rs_out: Optional[torch.Tensor] = None
+    """This rank's reduce-scatter output, when it cannot land in ``master_grad`` directly."""
+    host_written: bool = False
+    """The host partition already holds gradients of the current accumulation window."""
 
 
 def plan_buckets(named_params: Sequence[tuple], bucket_elems: int) -> List[List[tuple]]:

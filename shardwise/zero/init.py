@@ -14,6 +14,13 @@ does, so the same seed gives the same model on every rank and at every world siz
 the modified values. Other writes to a parameter of an already-attached module inside the
 constructor (``nn.init.zeros_(self.fc.bias)`` in a parent's ``__init__``) see an empty
 tensor and have no effect, as under DeepSpeed; wrap them in ``GatheredParameters``.
+
+Hugging Face models initialise their weights at the end of the top-level ``__init__``
+(``post_init``), after their submodules were partitioned; transformers 5.x walks the modules
+with its own ``smart_apply`` rather than ``nn.Module.apply``. So inside the context the
+``_initialize_weights(module)`` method of every class that defines one runs with ``module``'s
+own parameters and its direct children's gathered, and keeps what it wrote: the generator is
+consumed as without ``zero.Init``, and the same seed gives the same model.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules import module as _module_mod
 
+from .. import comm
 from ..errors import ConfigError, ZeroError
 from .stage3 import partition as P
 
@@ -97,6 +105,7 @@ class Init:
         self.pin = pin_memory
         self.compute_device = _accel_device()
         self.shard_device = torch.device("cpu") if remote_device == "cpu" else self.compute_device
+        self._partitioner: Optional[P.Partitioner] = None
         self._handles: list = []
         self._touched: List[weakref.ref] = []
         self._orig_apply = None
@@ -113,14 +122,16 @@ class Init:
         return P.group_info(self.group)
 
     def _partition_module(self, module: torch.nn.Module, recurse: bool) -> None:
-        world, rank = self._world()
+        if self._partitioner is None:
+            self._world()
+            # this context's records until an engine adopts them
+            self._partitioner = P.Partitioner(group=self.group, shard_device=self.shard_device,
+                                              compute_device=self.compute_device, pin=self.pin)
         params = module.parameters() if recurse else module._parameters.values()
         for p in list(params):
             if p is None or P.is_partitioned(p) or p.device.type == "meta":
                 continue
-            P.partition_param(p, world=world, rank=rank, group=self.group,
-                              shard_device=self.shard_device, compute_device=self.compute_device,
-                              dtype=self.dtype if p.is_floating_point() else None, pin=self.pin)
+            self._partitioner.partition(p, dtype=self.dtype if p.is_floating_point() else None)
 
     def _on_param(self, module: torch.nn.Module, name: str, param: Any) -> None:
         self._touched.append(weakref.ref(module))
@@ -150,6 +161,33 @@ class Init:
         _ORIG_INITS[cls] = orig
         cls.__init__ = __init__  # type: ignore[misc]
 
+    def _wrap_weight_init(self, cls: type) -> None:
+        """Hugging Face's per-module ``_initialize_weights(module, ...)``: run it on gathered
+        parameters (the module's own and its direct children's, which some models' init
+        writes) and keep the values it wrote."""
+        orig = cls.__dict__.get("_initialize_weights")
+        if orig is None or not callable(orig) or cls in _ORIG_WEIGHT_INITS:
+            return
+
+        @functools.wraps(orig)
+        def _initialize_weights(model: torch.nn.Module, module: torch.nn.Module,
+                                *args: Any, **kwargs: Any) -> Any:
+            if getattr(module, "_is_hf_initialized", False):
+                return orig(model, module, *args, **kwargs)
+            params = list(module._parameters.values())
+            for child in module.children():
+                if not hasattr(child, "_initialize_weights"):  # a sub-model inits its own
+                    params.extend(child._parameters.values())
+            parts = list({id(p): p for p in params
+                          if p is not None and P.is_partitioned(p)}.values())
+            if not parts:
+                return orig(model, module, *args, **kwargs)
+            with GatheredParameters(parts, modifier_rank=0):
+                return orig(model, module, *args, **kwargs)
+
+        _ORIG_WEIGHT_INITS[cls] = orig
+        cls._initialize_weights = _initialize_weights  # type: ignore[attr-defined]
+
     # --- context ------------------------------------------------------------------------
     def __enter__(self) -> "Init":
         if not self.enabled or _ACTIVE:
@@ -165,12 +203,14 @@ class Init:
             cls = todo.pop()
             todo.extend(cls.__subclasses__())
             self._wrap_init(cls)
+            self._wrap_weight_init(cls)
         self._orig_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
         ctx = self
 
         def __init_subclass__(cls, **kwargs: Any) -> None:
             super(torch.nn.Module, cls).__init_subclass__(**kwargs)
             ctx._wrap_init(cls)
+            ctx._wrap_weight_init(cls)
 
         torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
         self._handles = [_module_mod.register_module_parameter_registration_hook(self._on_param)]
@@ -207,6 +247,9 @@ class Init:
         for cls, orig in list(_ORIG_INITS.items()):
             cls.__init__ = orig  # type: ignore[misc]
         _ORIG_INITS.clear()
+        for cls, orig in list(_ORIG_WEIGHT_INITS.items()):
+            cls._initialize_weights = orig  # type: ignore[attr-defined]
+        _ORIG_WEIGHT_INITS.clear()
         if exc[0] is None:
             # modules whose class escaped the wrapping (or that were built half-way) and the
             # parameters a parent registered after its children
@@ -218,6 +261,7 @@ class Init:
 
 
 _ORIG_INITS: dict = {}
+_ORIG_WEIGHT_INITS: dict = {}
 _INIT_DEPTH: dict = {}
 _ACTIVE: list = []
 
@@ -226,7 +270,8 @@ class GatheredParameters:
     """Gather partitioned parameters for reading or modification.
 
     On entry every rank all-gathers the (partitioned) parameters in ``params`` (a Parameter
-    or an iterable of them; others are ignored). On exit, if ``modifier_rank`` is set, that
+    or an iterable of them; others are ignored), each through the gather context of the
+    engine (or ``zero.Init``) that holds it. On exit, if ``modifier_rank`` is set, that
     rank's values are broadcast, every rank keeps its chunk of them, and an engine built on
     the model updates its fp32 master copies. All ranks must enter together.
     ``fwd_module`` is accepted for DeepSpeed compatibility.
@@ -240,14 +285,22 @@ class GatheredParameters:
         self.params = [p for p in (params or []) if isinstance(p, torch.Tensor)]
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self.parts = [p for p in self.params if P.is_partitioned(p)]
+        self.parts: List[tuple] = []
+        """(gather context, record) of each partitioned parameter."""
+        for p in self.params:
+            owner = P.owner_of(p)
+            rec = owner.record(p) if owner is not None else None
+            if rec is not None:
+                self.parts.append((owner.gathers, rec))
 
     def __enter__(self) -> None:
         if not self.enabled:
             return None
-        for p in self.parts:
-            p.sw_meta.active += 1
-        P.gather(self.parts)
+        for gathers, rec in self.parts:
+            rec.active += 1
+            gathers.start([rec])
+        for gathers, rec in self.parts:
+            gathers.wait(rec)
         return None
 
     def __exit__(self, *exc: Any) -> None:
@@ -257,18 +310,18 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc[0] is None:
                 self._publish()
         finally:
-            for p in self.parts:
-                meta = p.sw_meta
-                meta.active = max(0, meta.active - 1)
-                if meta.active == 0:
-                    P.release(p)
+            for gathers, rec in self.parts:
+                rec.active = max(0, rec.active - 1)
+                if rec.active == 0:
+                    gathers.release(rec)
 
     def _publish(self) -> None:
         """Broadcast the modifier's values, keep this rank's chunk, refresh the masters."""
         on = dist.is_available() and dist.is_initialized()
         for p in self.params:
-            meta = getattr(p, "sw_meta", None)
-            group = meta.group if meta is not None else None
+            owner = P.owner_of(p)
+            rec = owner.record(p) if owner is not None else None
+            group = rec.group if rec is not None else None
             world = dist.get_world_size(group) if on else 1
             if world > 1:
                 if not 0 <= self.modifier_rank < world:
@@ -276,13 +329,13 @@ class GatheredParameters:
                                     f"the group has ranks 0..{world - 1}")
                 src = P.global_rank(group, self.modifier_rank)
                 with torch.no_grad():
-                    dist.broadcast(p.data, src=src, group=group)
-            if meta is not None:
-                P.write_full_(p, p.data)
-                if meta.on_modified is not None:
-                    meta.on_modified(p)
-            elif getattr(p, "_sw_on_modified", None) is not None:
-                p._sw_on_modified(p)
+                    comm.broadcast(p.data, src=src, group=group)
+            if rec is not None:
+                owner.gathers.write_shard(rec, p.data)
+                if rec.on_modified is not None:
+                    rec.on_modified(p)
+            elif owner is not None and owner.whole_modified(p) is not None:
+                owner.whole_modified(p)(p)
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

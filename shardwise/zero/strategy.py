@@ -14,11 +14,73 @@ One training step, as the engine drives it::
 """
 from __future__ import annotations
 
-from typing import ContextManager, List, Optional
+from typing import ContextManager, List, Optional, Protocol, Union, runtime_checkable
 
 import torch
 
 from .shard_view import ShardView
+
+
+@runtime_checkable
+class ModelStrategy(Protocol):
+    """What the engine asks of any strategy, trained or not (stage 3 without an optimizer
+    implements only this: ``zero.stage3.Stage3Params``)."""
+
+    def shard_views(self) -> List[ShardView]:
+        """This rank's piece of every parameter (and its fp32 master, when trained)."""
+        ...
+
+    def refresh_after_load(self, weights_only: bool = False) -> None:
+        """Make every copy consistent after a checkpoint wrote into the views."""
+        ...
+
+    def flush(self) -> None:
+        """Finish deferred work so the parameters are current."""
+        ...
+
+    def no_sync_allowed(self) -> Optional[str]:
+        """None if ``engine.no_sync()`` is allowed, else the reason (the error message)."""
+        ...
+
+    def remove_hooks(self) -> None:
+        """Give the module back to plain autograd (``engine.destroy()``)."""
+        ...
+
+
+@runtime_checkable
+class TrainStrategy(ModelStrategy, Protocol):
+    """The training contract: the calls of one step (see the module docstring)."""
+
+    stage: int
+    grads_partitioned: bool
+    world: int
+
+    @property
+    def grad_divisor(self) -> float: ...
+
+    def master_param_groups(self) -> List[List[torch.Tensor]]: ...
+
+    def bind_optimizer(self, inner: torch.optim.Optimizer) -> None: ...
+
+    def before_backward(self, boundary: bool) -> None: ...
+
+    def after_backward(self, boundary: bool) -> None: ...
+
+    def master_grads(self) -> List[torch.Tensor]: ...
+
+    def grad_norms(self, grads: List[torch.Tensor], in_order: bool = True) -> List[torch.Tensor]: ...
+
+    def side_norm_stream(self) -> Optional[ContextManager]: ...
+
+    def optimizer_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None: ...
+
+    def after_step(self, applied: bool) -> None: ...
+
+    def zero_grads(self) -> None: ...
+
+
+EngineStrategy = Union[TrainStrategy, ModelStrategy]
+"""What ``ShardwiseEngine.strategy`` holds (None for stages 0-2 without an optimizer)."""
 
 
 class ZeroStrategy:
@@ -96,3 +158,6 @@ class ZeroStrategy:
     def no_sync_allowed(self) -> Optional[str]:
         """None if ``engine.no_sync()`` is allowed, else the reason it is not."""
         return None
+
+    def remove_hooks(self) -> None:
+        """Give the module back to plain autograd."""

@@ -9,14 +9,12 @@ so bitwise equality is not expected there).
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import torch
 
 from tests.dist_utils import run_distributed
 
-HAS_STAGE3 = importlib.util.find_spec("shardwise.zero.stage3") is not None
 GLOBAL_BATCH = 8
 
 
@@ -77,7 +75,7 @@ def _first_hop(rank, world, root):
 
 
 def _middle_hop(rank, world, root):
-    engine = _engine(world, stage=3 if HAS_STAGE3 else 1, offload=True)
+    engine = _engine(world, stage=3, offload=True)
     engine.load_checkpoint(Path(root) / "a")
     steps = (engine.global_steps, engine.micro_steps)
     engine.save_16bit_model(Path(root) / "export_b")  # gathered from 4 stage-3 shards

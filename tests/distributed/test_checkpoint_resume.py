@@ -11,7 +11,6 @@ chosen file of B; ``latest`` must still name A and A must load.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -23,7 +22,6 @@ import torch
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-HAS_STAGE3 = importlib.util.find_spec("shardwise.zero.stage3") is not None
 
 
 class Net(torch.nn.Module):
@@ -154,9 +152,8 @@ def _resume_worker(rank: int, world: int, root: str, cases):
 def test_bit_exact_resume_stages_0_1_2_3_offload_fp16_async(tmp_path):
     # (stage, fp16, async_save, offload_optimizer)
     cases = [(0, False, False, False), (1, False, False, False), (2, False, False, False),
-             (2, True, False, False), (1, False, True, False), (2, False, False, True)]
-    if HAS_STAGE3:
-        cases += [(3, False, False, False), (3, True, False, True)]
+             (2, True, False, False), (1, False, True, False), (2, False, False, True),
+             (3, False, False, False), (3, True, False, True)]
     per_rank = run_distributed(_resume_worker, 2, str(tmp_path), cases)
     assert not (tmp_path / "badtag").exists()
     for rank, results in enumerate(per_rank):

@@ -64,7 +64,7 @@ def reference(kind: str, world: int) -> dict:
 
 def _run(rank: int, world: int) -> Dict[str, dict]:
     import shardwise
-    from shardwise.zero import GatheredParameters
+    from shardwise.zero import GatheredParameters, is_partitioned
     results = {}
     for kind in ("llama", "opt"):
         cfg = engine_config(3, MICRO, 1, 1.0, LR, zero_optimization={
@@ -84,7 +84,7 @@ def _run(rank: int, world: int) -> Dict[str, dict]:
             tokens = engine.module.generate(PROMPT, synced_gpus=world > 1, **GEN)
         sd = engine.module.state_dict()
         released = all(p.numel() == 0 for p in engine.module.parameters()
-                       if hasattr(p, "sw_shape"))
+                       if is_partitioned(p))
         results[kind] = {"params": params, "tokens": tokens, "released": released,
                          "sd_shapes": {k: tuple(v.shape) for k, v in sd.items()}}
     return results

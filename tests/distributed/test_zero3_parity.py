@@ -121,8 +121,9 @@ def _train(rank: int, world: int, kind: str, ga: int, clip: float, extra: dict) 
     engine.shard_views()  # what a checkpoint sees: a pending delayed update is applied
     out = {"params": full_params(engine)}
     # released after the step: the module holds no full-size partitioned weight
+    from shardwise.zero import is_partitioned
     out["numel_outside"] = {n: p.numel() for n, p in engine.module.named_parameters()
-                            if hasattr(p, "sw_shape")}
+                            if is_partitioned(p)}
     return out
 
 
@@ -237,27 +238,28 @@ def test_gather_schedule_bounds_live_parameters() -> None:
         "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": layer_elems,
         "stage3_max_reuse_distance": 0})
     engine, *_ = shardwise.initialize(model=model, config=cfg)
+    gathers = engine.strategy.gathers
     seen = {"fwd": 0, "bwd": 0, "prefetched": []}
 
     def before(module, args):  # runs before the strategy's own pre-forward hook
-        seen["prefetched"].append(all(p.sw_meta.status != P.RELEASED
+        seen["prefetched"].append(all(P.record_of(p).status != P.RELEASED
                                       for p in module.parameters(recurse=False)))
 
     def after(module, args, out):
-        seen["fwd"] = max(seen["fwd"], P.live_numel())
+        seen["fwd"] = max(seen["fwd"], gathers.live_numel)
 
     for layer in model.layers:
         layer.register_forward_pre_hook(before, prepend=True)
         layer.register_forward_hook(after)
         for p in layer.parameters():
             p.register_post_accumulate_grad_hook(
-                lambda p: seen.__setitem__("bwd", max(seen["bwd"], P.live_numel())))
+                lambda p: seen.__setitem__("bwd", max(seen["bwd"], gathers.live_numel)))
     x = torch.randn(4, 32)
     prefetched = []
     for step in range(2):
         seen["prefetched"] = []
         engine.backward(engine(x))
-        assert P.live_numel() == 0, "parameters left gathered after backward"
+        assert gathers.live_numel == 0, "parameters left gathered after backward"
         engine.step()
         prefetched.append(seen["prefetched"])
     # first step: no recorded order yet, every layer gathered on demand; second step: every

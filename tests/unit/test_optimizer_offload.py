@@ -33,7 +33,7 @@ def test_offload_matches_torch_reference(clip, ga, opts) -> None:
 def test_offload_places_masters_by_ratio_and_is_eager_only_when_it_may_be() -> None:
     engine, *_ = shardwise.initialize(model=make_model(), config=engine_config(
         2, 2, 1, 0.0, 1e-2, zero_optimization=_offload(ratio=0.5)))
-    offloaded = [b.extra["offloaded"] for b in engine.strategy.buckets]
+    offloaded = [b.offloaded for b in engine.strategy.buckets]
     assert any(offloaded) and not all(offloaded)
     assert not engine.strategy.eager
     engine2, *_ = shardwise.initialize(model=make_model(), config=engine_config(

@@ -14,8 +14,9 @@ from tests.distributed._parity import (engine_config, global_batches, make_model
 
 
 def _gathered(engine) -> set:
+    from shardwise.zero.stage3.partition import record_of
     return {n for n, p in engine.module.named_parameters()
-            if hasattr(p, "sw_meta") and p.sw_meta.status != "released"}
+            if record_of(p) is not None and record_of(p).status != "released"}
 
 
 def _config(ga: int, delayed: bool = False) -> dict:

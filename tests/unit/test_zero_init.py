@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from shardwise.zero.stage3.partition import full_numel, full_shape, record_of
 from tests.dist_utils import run_distributed
 from tests.distributed._parity import (engine_config, global_batches, make_model, max_rel_diff,
                                        reference_params)
@@ -46,7 +47,7 @@ def test_init_context_partitions_and_keeps_the_seeded_values() -> None:
         model = Deep(3, 8)
     for n, p in model.named_parameters():
         assert p.numel() == 0, f"{n} still holds {p.numel()} elements"
-        assert tuple(p.sw_shape) == tuple(ref[n].shape)
+        assert tuple(full_shape(p)) == tuple(ref[n].shape)
     got = _full(model)
     for n, v in ref.items():
         assert torch.equal(got[n], v), n
@@ -110,7 +111,9 @@ def test_forward_gathers_and_external_parameter() -> None:
     with Init():
         model = Parent()
     from shardwise.zero.stage3.hooks import ParamCoordinator
-    coord = ParamCoordinator(model, prefetch_elems=10, max_live=10**9, max_reuse=0)
+    from shardwise.zero.stage3.partition import owner_of
+    coord = ParamCoordinator(model, owner_of(model.emb.weight), prefetch_elems=10,
+                             max_live=10**9, max_reuse=0)
     with pytest.raises(RuntimeError):
         model(x)  # the parent reads a released weight: an error, never silent garbage
     register_external_parameter(model, model.emb.weight)
@@ -193,7 +196,7 @@ def _world2(rank: int, world: int) -> dict:
     if rss is not None:
         import resource
         out["rss_growth"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) * 1024
-    out["local"] = {n: (p.numel(), p.sw_meta.shard.numel(), p.sw_numel)
+    out["local"] = {n: (p.numel(), record_of(p).chunk, full_numel(p))
                     for n, p in deep.named_parameters()}
     del deep
     # 2. an Init-built model trains through the engine like an unpartitioned one
@@ -234,3 +237,25 @@ def test_init_and_gathered_parameters_world_2() -> None:
         assert torch.all(out["after_modify"] == 1.0)
         if out["master_after_modify"] is not None:
             assert torch.all(out["master_after_modify"] == 1.0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "opt", "gpt2"])
+def test_init_runs_hugging_face_weight_init(kind: str) -> None:
+    """A model built from a config under zero.Init gets Hugging Face's own initialisation
+    (transformers 5.x runs it through ``smart_apply``, not ``nn.Module.apply``): the same
+    seed gives the same weights as a build without zero.Init (issue 18, bug 2)."""
+    import transformers
+    from shardwise.zero import Init
+    from tests.distributed._hf_tiny import build, hf_config
+    plain = dict(build(kind).named_parameters())
+    with Init():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(kind))
+    got = _full(model)
+    assert got.keys() == plain.keys()
+    emb = model.get_input_embeddings().weight
+    cfg = hf_config(kind)
+    std = cfg.init_std if kind == "opt" else cfg.initializer_range
+    assert abs(float(got[[n for n, p in model.named_parameters() if p is emb][0]].std()) - std) < std / 4
+    different = [n for n in plain if not torch.equal(got[n], plain[n].detach())]
+    assert not different, different

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.windows._helpers import ON_WINDOWS, require
+from tests.windows._helpers import ON_WINDOWS
 
 pytestmark = pytest.mark.windows
 
 
 def _temps(folder: Path) -> list:
-    atomic = require("shardwise.checkpoint.atomic", "TMP_MARKER")
+    import shardwise.checkpoint.atomic as atomic
     return [p.name for p in folder.iterdir() if atomic.TMP_MARKER in p.name]
 
 
 def test_atomic_write_replaces_an_existing_file(tmp_path: Path) -> None:
-    atomic = require("shardwise.checkpoint.atomic", "atomic_write_bytes", "atomic_write_text")
+    import shardwise.checkpoint.atomic as atomic
     target = tmp_path / "latest"
     target.write_bytes(b"global_step10")
     # The platform behaviour the helper exists for: a plain rename cannot overwrite on Windows.
@@ -41,7 +41,7 @@ def test_atomic_write_replaces_an_existing_file(tmp_path: Path) -> None:
 
 
 def test_atomic_open_failure_keeps_the_old_file(tmp_path: Path) -> None:
-    atomic = require("shardwise.checkpoint.atomic", "atomic_open")
+    import shardwise.checkpoint.atomic as atomic
     target = tmp_path / "model.bin"
     target.write_bytes(b"old")
     with pytest.raises(RuntimeError, match="boom"):
@@ -56,10 +56,10 @@ def test_atomic_open_failure_keeps_the_old_file(tmp_path: Path) -> None:
 def test_replacing_a_file_another_handle_holds_open(tmp_path: Path) -> None:
     """Windows (and Wine) refuse to replace a file that is open elsewhere; the writer must
     fail loudly, leave the old file intact and clean up its temporary file."""
-    atomic = require("shardwise.checkpoint.atomic", "atomic_write_bytes")
+    import shardwise.checkpoint.atomic as atomic
     target = tmp_path / "rank00000-of-00001.safetensors"
     target.write_bytes(b"old")
-    errors = require("shardwise.errors", "CheckpointError")
+    import shardwise.errors as errors
     with open(target, "rb"):
         if ON_WINDOWS:
             with pytest.raises((OSError, errors.CheckpointError)):
@@ -73,9 +73,9 @@ def test_replacing_a_file_another_handle_holds_open(tmp_path: Path) -> None:
 
 
 def test_names_with_colons_are_rejected(tmp_path: Path) -> None:
-    atomic = require("shardwise.checkpoint.atomic", "atomic_write_bytes")
-    fmt = require("shardwise.checkpoint.format", "validate_tag")
-    errors = require("shardwise.errors", "CheckpointError")
+    import shardwise.checkpoint.atomic as atomic
+    import shardwise.checkpoint.format as fmt
+    import shardwise.errors as errors
     with pytest.raises(errors.CheckpointError, match="':'"):
         atomic.atomic_write_bytes(tmp_path / "step:10.json", b"{}")
     assert list(tmp_path.iterdir()) == []
@@ -86,8 +86,8 @@ def test_names_with_colons_are_rejected(tmp_path: Path) -> None:
 
 
 def test_generated_names_are_valid_windows_names(tmp_path: Path) -> None:
-    fmt = require("shardwise.checkpoint.format", "rank_file_stem", "validate_tag")
-    atomic = require("shardwise.checkpoint.atomic", "temp_name_for")
+    import shardwise.checkpoint.format as fmt
+    import shardwise.checkpoint.atomic as atomic
     names = [fmt.rank_file_stem(r, 8) for r in range(8)]
     names.append(atomic.temp_name_for(tmp_path / "shardwise_meta.json").name)
     for name in names:
@@ -98,7 +98,7 @@ def test_generated_names_are_valid_windows_names(tmp_path: Path) -> None:
 
 def test_safetensors_roundtrip_on_a_drive_letter_path(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    fmt = require("shardwise.checkpoint.format", "write_safetensors", "SliceFileReader", "TensorItem")
+    import shardwise.checkpoint.format as fmt
     path = tmp_path / "global_step10" / (fmt.rank_file_stem(0, 2) + ".safetensors")
     if ON_WINDOWS:
         assert str(path)[1] == ":"  # a real drive-letter path (Z: under Wine)
@@ -123,7 +123,7 @@ def test_chunk_parallel_reads_release_every_handle(tmp_path: Path, monkeypatch) 
     """A tensor of several crc chunks is read on worker threads, each through its own handle;
     closing the reader must close all of them, or Windows refuses the rewrite that follows."""
     torch = pytest.importorskip("torch")
-    fmt = require("shardwise.checkpoint.format", "write_safetensors", "SliceFileReader", "TensorItem")
+    import shardwise.checkpoint.format as fmt
     monkeypatch.setattr(fmt, "CHUNK_BYTES", 256)
     monkeypatch.setattr(fmt, "_read_workers", lambda: 4)
     path = tmp_path / "rank00000-of-00001.safetensors"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.windows._helpers import ON_WINDOWS, require
+from tests.windows._helpers import ON_WINDOWS
 
 pytestmark = pytest.mark.windows
 
@@ -53,7 +53,8 @@ SEED_42 = {
 
 
 def _load(config, world_size: int = 1):
-    return require("shardwise.config", "load_config").load_config(config=config, world_size=world_size)
+    from shardwise.config import load_config
+    return load_config(config=config, world_size=world_size)
 
 
 def _write(folder: Path, name: str, cfg: dict) -> Path:
@@ -82,7 +83,7 @@ def test_config_path_with_drive_letter_and_backslashes(tmp_path: Path) -> None:
 
 
 def test_missing_config_names_the_windows_path(tmp_path: Path) -> None:
-    errors = require("shardwise.errors", "ConfigError")
+    import shardwise.errors as errors
     missing = tmp_path / "nope" / "ds_config.json"
     with pytest.raises(errors.ConfigError) as info:
         _load(str(missing))
@@ -102,7 +103,7 @@ def test_memory_optimization_aggressive_empties_cache_after_step() -> None:
 
 
 def test_windows_specific_notes_follow_the_real_platform() -> None:
-    keys = require("shardwise.config.platform_keys", "platform_key_notes")
+    import shardwise.config.platform_keys as keys
     notes = keys.platform_key_notes(_load(SEED_41))
     if ON_WINDOWS:
         enable = [n for n in notes if n.startswith("windows_specific.enable")]
@@ -114,7 +115,7 @@ def test_windows_specific_notes_follow_the_real_platform() -> None:
 
 
 def test_io_and_inference_keys_are_accepted_with_their_reasons() -> None:
-    keys = require("shardwise.config.platform_keys", "platform_key_notes")
+    import shardwise.config.platform_keys as keys
     io_cfg = _load(SEED_33)
     assert io_cfg.aio.windows_io_optimization is True
     assert io_cfg.checkpoint.windows_path_optimization is True
@@ -136,7 +137,7 @@ def test_seed_memory_config_loads() -> None:
     assert cfg.zero_optimization.offload_optimizer_device == "cpu"
     assert cfg.zero_optimization.offload_param_device == "none"
     assert cfg.fp16.enabled and cfg.activation_checkpointing.cpu_checkpointing
-    loader = require("shardwise.config", "load_config")
-    errors = require("shardwise.errors", "ConfigError")
+    import shardwise.config as loader
+    import shardwise.errors as errors
     with pytest.raises(errors.ConfigError, match="offload_param"):
         loader.load_config(config=SEED_31, world_size=1, strict=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.windows._helpers import ON_WINDOWS, child_env, free_port, require, run_python
+from tests.windows._helpers import ON_WINDOWS, child_env, free_port, run_python
 
 pytestmark = pytest.mark.windows
 
@@ -57,8 +57,9 @@ WORKER = textwrap.dedent('''
 
 
 def test_two_workers_gloo_env_rendezvous_without_libuv(tmp_path: Path) -> None:
-    require("shardwise.cli", "main")
-    require("shardwise.launcher.script_args", "add_config_arguments", "apply_script_args")
+    from shardwise.cli import main  # noqa: F401 - a rename must fail, not skip
+    from shardwise.launcher.script_args import (  # noqa: F401 - a rename must fail
+        add_config_arguments, apply_script_args)
     script = tmp_path / "worker.py"
     script.write_text(WORKER, encoding="utf-8")
     out = tmp_path / "out"
@@ -95,7 +96,7 @@ def test_two_workers_gloo_env_rendezvous_without_libuv(tmp_path: Path) -> None:
 
 
 def test_a_failing_worker_fails_the_launch(tmp_path: Path) -> None:
-    require("shardwise.cli", "main")
+    from shardwise.cli import main  # noqa: F401 - a rename must fail, not skip
     script = tmp_path / "dies.py"
     # No torch import: this checks exit-code propagation on Windows, cheaply. Rank 0 leaves
     # a mark, so the test knows the workers really started (not a launcher error).

@@ -11,13 +11,13 @@ import sys
 
 import pytest
 
-from tests.windows._helpers import ON_WINDOWS, UNDER_WINE, require, run_python
+from tests.windows._helpers import ON_WINDOWS, UNDER_WINE, run_python
 
 pytestmark = pytest.mark.windows
 
 
 def test_report_json_says_windows_and_gloo() -> None:
-    require("shardwise.report", "main", "collect_report")
+    from shardwise.report import main, collect_report  # noqa: F401 - a rename must fail, not skip
     proc = run_python(["-m", "shardwise.report", "--json"], timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:]
     # Only the JSON document goes to stdout (warnings and c10d noise may precede it).
@@ -42,7 +42,7 @@ def test_report_json_says_windows_and_gloo() -> None:
 
 
 def test_collect_report_in_process_matches_platform() -> None:
-    report_mod = require("shardwise.report", "collect_report")
+    import shardwise.report as report_mod
     report = report_mod.collect_report(include_ops=False)
     import platform
     assert report["versions"]["os"]["system"] == platform.system()
@@ -55,7 +55,7 @@ def test_collect_report_in_process_matches_platform() -> None:
 
 def test_windows_specific_stats_read_the_page_file_and_cache() -> None:
     psutil = pytest.importorskip("psutil")
-    diag = require("shardwise.utils", "get_windows_specific_stats", "get_memory_info")
+    import shardwise.utils as diag
     try:
         swap = psutil.swap_memory()
     except RuntimeError:

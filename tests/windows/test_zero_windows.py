@@ -16,7 +16,7 @@ from typing import Any, Dict
 
 import pytest
 
-from tests.windows._helpers import ON_WINDOWS, require, spawn_ranks
+from tests.windows._helpers import ON_WINDOWS, spawn_ranks
 
 pytestmark = pytest.mark.windows
 
@@ -74,7 +74,7 @@ def _ranks(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def zero_results(tmp_path_factory):
-    require("shardwise", "initialize")
+    from shardwise import initialize  # noqa: F401 - a rename must fail, not skip
     pytest.importorskip("tests.distributed._parity")
     ckpt = tmp_path_factory.mktemp("zero windows ckpt")  # a space, as in Windows user folders
     return spawn_ranks(_ranks, 2, str(ckpt)), ckpt

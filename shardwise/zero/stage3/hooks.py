@@ -21,6 +21,10 @@
   kept: the weights change there.
 - Nothing assumes that backward follows forward: ``eval()``/``no_grad`` forwards (e.g.
   ``model.generate()``) gather and release in the forward hooks only.
+- **One recorded order per mode.** A forward that records gradients (training) and one that
+  does not (evaluation, ``generate()``) keep separate traces, so evaluating between two
+  training steps does not throw away the training order (nor the other way round). Backward
+  walks the training forward's trace in reverse: that is the order it runs in.
 
 Every decision here (what to prefetch, what to keep) depends only on the recorded order and
 the configuration, which are the same on every rank, so all ranks issue the same
@@ -28,11 +32,12 @@ collectives in the same order.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Set
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
-from . import partition as P
+from .partition import RELEASED, Partitioner, PartitionedParam
 
 
 class _PreBackward(torch.autograd.Function):
@@ -40,7 +45,7 @@ class _PreBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, coord: "ParamCoordinator", module: torch.nn.Module, pos: int,
-                trace: List[torch.nn.Module], *tensors: torch.Tensor):
+                trace: "Trace", *tensors: torch.Tensor):
         ctx.coord, ctx.module, ctx.pos, ctx.trace = coord, module, pos, trace
         return tuple(t.detach() for t in tensors)
 
@@ -48,6 +53,11 @@ class _PreBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         ctx.coord.pre_backward(ctx.module, ctx.pos, ctx.trace)
         return (None, None, None, None, *grads)
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _collect(obj: Any, out: List[torch.Tensor]) -> None:
@@ -83,35 +93,50 @@ def _substitute(obj: Any, new: Dict[int, torch.Tensor]) -> Any:
     return obj
 
 
-class ParamCoordinator:
-    """Installs the hooks on ``root`` and every submodule and runs the gather schedule."""
+@dataclass(eq=False)
+class Trace:
+    """The module order of one complete root forward of one mode, and what it implies."""
 
-    def __init__(self, root: torch.nn.Module, *, prefetch_elems: int, max_live: int,
-                 max_reuse: int) -> None:
+    modules: List[torch.nn.Module] = field(default_factory=list)
+    params: List[List[PartitionedParam]] = field(default_factory=list)
+    """The records each module of ``modules`` uses, taken when the order was recorded (a
+    parameter replaced since only costs a useless prefetch: gathers use the module's
+    current parameters)."""
+    keep: List[Set[int]] = field(default_factory=list)
+    """Per position: ids of records reused soon after it (kept gathered over the gap)."""
+    head: Set[int] = field(default_factory=set)
+    """Records the first modules use: kept gathered from the end of backward into the next
+    forward."""
+    tail: Set[int] = field(default_factory=set)
+    """Records the last modules use: kept gathered from the end of a forward that records
+    gradients into its backward."""
+
+
+TRAIN, EVAL = "train", "eval"
+
+
+class ParamCoordinator:
+    """Installs the hooks on ``root`` and every submodule and runs the gather schedule of
+    one engine's partitioner."""
+
+    def __init__(self, root: torch.nn.Module, partitioner: Partitioner, *, prefetch_elems: int,
+                 max_live: int, max_reuse: int) -> None:
         self.root = root
+        self.partitioner = partitioner
+        self.gathers = partitioner.gathers
         self.prefetch_elems = int(prefetch_elems)
         self.max_live = int(max_live)
         self.max_reuse = int(max_reuse)
-        self.trace_prev: List[torch.nn.Module] = []
-        """Module order of the last complete root forward."""
-        self.trace_cur: List[torch.nn.Module] = []
-        self._keep: List[Set[int]] = []
-        """Per position of ``trace_prev``: ids of parameters reused soon after it."""
-        self.head: Set[int] = set()
-        """Ids of the parameters the first modules of ``trace_prev`` use: kept gathered from
-        the end of backward into the next forward."""
-        self.tail: Set[int] = set()
-        """Ids of the parameters the last modules of ``trace_prev`` use: kept gathered from
-        the end of a forward that records gradients into its backward."""
-        self._trace_params: List[List[torch.nn.Parameter]] = []
-        """``params_of`` each module of ``trace_prev``, for the prefetch to walk. Taken when
-        the order was recorded: a parameter replaced since would only cost a useless
-        prefetch (gathers use the module's current parameters)."""
-        self._params_trace: Optional[List[torch.nn.Module]] = None
+        self.traces: Dict[str, Trace] = {TRAIN: Trace(), EVAL: Trace()}
+        """The last complete root forward of each mode."""
+        self._mode = TRAIN
+        self._cur = Trace()
+        """The forward in progress: its modules so far; its tables are filled (taken over
+        from the mode's trace when it followed it) when it ends."""
         self._valid = False
-        """The current forward has followed ``trace_prev`` so far."""
+        """The current forward has followed its mode's trace so far."""
         self._stack: List[tuple] = []
-        """(trace position, parameters) of each module whose forward is running."""
+        """(trace position, records) of each module whose forward is running."""
         self._in_root = False
         self._ahead = 0
         """Trace positions below this one were already prefetched in this forward (or, in
@@ -123,60 +148,72 @@ class ParamCoordinator:
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
             self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
 
+    @property
+    def head(self) -> Set[int]:
+        """Records the next training forward starts with (kept after a backward)."""
+        return self.traces[TRAIN].head
+
     # --- which parameters a module needs ---------------------------------------------
-    @staticmethod
-    def params_of(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    def params_of(self, module: torch.nn.Module) -> List[PartitionedParam]:
         seen, out = set(), []
+        record = self.partitioner.record
         for p in list(module._parameters.values()) + list(getattr(module, "_sw_external_params", ())):
-            if p is not None and P.is_partitioned(p) and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
+            rec = record(p) if p is not None else None
+            if rec is not None and id(rec) not in seen:
+                seen.add(id(rec))
+                out.append(rec)
         return out
 
     # --- forward ----------------------------------------------------------------------
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         if module is self.root:
-            self.trace_cur = []
-            self._valid = bool(self.trace_prev)
+            self._mode = TRAIN if torch.is_grad_enabled() else EVAL
+            self._cur = Trace()
+            self._valid = bool(self.traces[self._mode].modules)
             self._in_root = True
             self._ahead = 0
         pos = -1  # a submodule called on its own: gathered on demand, not traced
+        trace = self.traces[self._mode]
         if self._in_root:
-            pos = len(self.trace_cur)
-            self.trace_cur.append(module)
-            if self._valid and (pos >= len(self.trace_prev) or self.trace_prev[pos] is not module):
+            pos = len(self._cur.modules)
+            self._cur.modules.append(module)
+            if self._valid and (pos >= len(trace.modules) or trace.modules[pos] is not module):
                 self._valid = False  # the model took another path: stop predicting this pass
-        params = self.params_of(module)
-        self._stack.append((pos, params))  # the post-forward hook releases the same list
-        for p in params:
-            p.sw_meta.active += 1
-        P.gather(params)
+        recs = self.params_of(module)
+        self._stack.append((pos, recs))  # the post-forward hook releases the same list
+        for rec in recs:
+            rec.active += 1
+        self.gathers.gather(recs)
         if self._valid and pos >= 0:
             start = max(pos + 1, self._ahead)
-            self._ahead = self._prefetch(self.trace_prev, range(start, len(self.trace_prev)), start)
+            self._ahead = self._prefetch(trace, range(start, len(trace.modules)), start)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        pos, params = self._stack.pop() if self._stack else (-1, self.params_of(module))
-        keep = self._keep[pos] if self._valid and 0 <= pos < len(self._keep) else ()
+        pos, recs = self._stack.pop() if self._stack else (-1, self.params_of(module))
+        trace = self.traces[self._mode]
+        keep = trace.keep[pos] if self._valid and 0 <= pos < len(trace.keep) else ()
         # backward starts with the tail's parameters
-        tail = self.tail if self._valid and torch.is_grad_enabled() else ()
-        for p in params:
-            meta = p.sw_meta
-            meta.active = max(0, meta.active - 1)
-            if meta.active == 0 and id(p) not in keep and id(p) not in tail:
-                P.release(p)
-        if torch.is_grad_enabled() and (params or module is self.root):
+        tail = trace.tail if self._valid and torch.is_grad_enabled() else ()
+        # a forward that runs inside backward is an activation-checkpoint recompute: its saved
+        # tensors are views of the gathered weights that the backward about to run reads, so
+        # they stay gathered until their gradient is accumulated (or backward ends)
+        recompute = _in_backward()
+        for rec in recs:
+            rec.active = max(0, rec.active - 1)
+            if rec.active == 0 and not recompute and id(rec) not in keep and id(rec) not in tail:
+                self.gathers.release(rec)
+        if torch.is_grad_enabled() and (recs or module is self.root):
             output = self._wrap_outputs(module, pos, output)
         if module is self.root:
             self._end_forward()
         return output
 
     def _wrap_outputs(self, module: torch.nn.Module, pos: int, output: Any) -> Any:
+        trace = self._cur  # backward prefetches along the order this forward took
         if torch.is_tensor(output):
             # the common case (a Linear): a hook on the tensor itself costs a third of an
             # autograd.Function and leaves the output as it is
             if output.requires_grad and output.is_floating_point():
-                trace = self.trace_cur
                 output.register_hook(lambda grad: self.pre_backward(module, pos, trace))
             return output
         tensors: List[torch.Tensor] = []
@@ -184,95 +221,95 @@ class ParamCoordinator:
         if not tensors:
             return output
         unique = list({id(t): t for t in tensors}.values())
-        wrapped = _PreBackward.apply(self, module, pos, self.trace_cur, *unique)
+        wrapped = _PreBackward.apply(self, module, pos, trace, *unique)
         return _substitute(output, {id(t): w for t, w in zip(unique, wrapped)})
 
     def _end_forward(self) -> None:
-        followed = self._valid and len(self.trace_cur) == len(self.trace_prev)
-        self.trace_prev = self.trace_cur
-        if not followed:  # the tables depend on the order only: rebuilt when it changed
-            self._trace_params = [self.params_of(m) for m in self.trace_prev]
-            self._keep = self._reuse_table(self.trace_prev)
-            self.head = self._edge(self.trace_prev)
-            self.tail = self._edge(self.trace_prev[::-1])
-        self._params_trace = self.trace_prev  # the trace _trace_params describes
+        old, cur = self.traces[self._mode], self._cur
+        followed = self._valid and len(cur.modules) == len(old.modules)
+        if followed:
+            cur.params, cur.keep, cur.head, cur.tail = old.params, old.keep, old.head, old.tail
+        else:  # the tables depend on the order only: rebuilt when it changed
+            self._fill_trace(cur)
+        self.traces[self._mode] = cur
+        self._cur = Trace()
         self._stack.clear()
         self._in_root = False
         self._behind = None
-        self.sweep(keep=self.tail if followed and torch.is_grad_enabled() else ())
+        tail = self.traces[self._mode].tail
+        self.gathers.sweep(keep=tail if followed and torch.is_grad_enabled() else ())
 
-    def _edge(self, modules: List[torch.nn.Module]) -> Set[int]:
-        """Parameters of the first ``modules`` up to the prefetch budget (at least one
-        module's, however large)."""
+    def _fill_trace(self, trace: Trace) -> None:
+        trace.params = [self.params_of(m) for m in trace.modules]
+        trace.keep = self._reuse_table(trace.params)
+        trace.head = self._edge(trace.params)
+        trace.tail = self._edge(trace.params[::-1])
+
+    def _edge(self, per_module: List[List[PartitionedParam]]) -> Set[int]:
+        """Records of the first modules up to the prefetch budget (at least one module's,
+        however large)."""
         ids: Set[int] = set()
         total = 0
-        for m in modules:
-            params = [p for p in self.params_of(m) if id(p) not in ids]
-            numel = sum(p.sw_meta.padded for p in params)
+        for recs in per_module:
+            new = [r for r in recs if id(r) not in ids]
+            numel = sum(r.padded for r in new)
             if ids and total + numel > self.prefetch_elems:
                 break
-            ids.update(id(p) for p in params)
+            ids.update(id(r) for r in new)
             total += numel
         return ids
 
-    def _reuse_table(self, trace: List[torch.nn.Module]) -> List[Set[int]]:
-        """For each position, the parameters whose next use is within max_reuse_distance."""
-        keep: List[Set[int]] = [set() for _ in trace]
+    def _reuse_table(self, per_module: List[List[PartitionedParam]]) -> List[Set[int]]:
+        """For each position, the records whose next use is within max_reuse_distance."""
+        keep: List[Set[int]] = [set() for _ in per_module]
         last: Dict[int, tuple] = {}
         cum = 0
-        for i, m in enumerate(trace):
-            params = self.params_of(m)
-            for p in params:
-                if id(p) in last:
-                    j, after_j = last[id(p)]
+        for i, recs in enumerate(per_module):
+            for r in recs:
+                if id(r) in last:
+                    j, after_j = last[id(r)]
                     if cum - after_j <= self.max_reuse:
-                        keep[j].add(id(p))
-            cum += sum(p.sw_meta.padded for p in params)
-            for p in params:
-                last[id(p)] = (i, cum)
+                        keep[j].add(id(r))
+            cum += sum(r.padded for r in recs)
+            for r in recs:
+                last[id(r)] = (i, cum)
         return keep
 
     # --- backward ---------------------------------------------------------------------
-    def pre_backward(self, module: torch.nn.Module, pos: int, trace: List[torch.nn.Module]) -> None:
-        P.gather(self.params_of(module))
-        if pos > 0:
+    def pre_backward(self, module: torch.nn.Module, pos: int, trace: Trace) -> None:
+        self.gathers.gather(self.params_of(module))
+        if 0 < pos <= len(trace.params):
             start = pos - 1 if self._behind is None else min(pos - 1, self._behind)
             self._behind = self._prefetch(trace, range(start, -1, -1), start)
 
-    # --- prefetch and sweep -------------------------------------------------------------
-    def _prefetch(self, trace: List[torch.nn.Module], positions, start: int) -> int:
+    # --- prefetch -----------------------------------------------------------------------
+    def _prefetch(self, trace: Trace, positions: range, start: int) -> int:
         """Start gathers along ``positions`` within the budgets; returns the first position
         not fully started (where the next prefetch in this direction resumes)."""
         budget = self.prefetch_elems
-        live = P.live_numel()
-        batch: Dict[int, torch.nn.Parameter] = {}  # started together: one stream wait, one event
+        live = self.gathers.live_numel
+        batch: Dict[int, PartitionedParam] = {}  # started together: one stream wait, one event
         resume = positions[-1] + (1 if positions.step > 0 else -1) if len(positions) else start
-        cached = self._trace_params if trace is self._params_trace else None
         for i in positions:
             full = budget <= 0
-            for p in (cached[i] if cached is not None else self.params_of(trace[i])):
-                meta = p.sw_meta
-                if full or meta.status != P.RELEASED or id(p) in batch:
+            for rec in trace.params[i]:
+                if full or rec.status != RELEASED or id(rec) in batch:
                     continue
-                if live + meta.padded > self.max_live or budget <= 0:
+                if live + rec.padded > self.max_live or budget <= 0:
                     full = True
                     continue
-                batch[id(p)] = p
-                live += meta.padded
-                budget -= meta.padded
+                batch[id(rec)] = rec
+                live += rec.padded
+                budget -= rec.padded
             if full:
                 resume = i
                 break
-        P.start_gathers(batch.values())
+        self.gathers.start(batch.values())
         return resume
 
-    def sweep(self, keep: Iterable[int] = ()) -> None:
-        """Release every gathered parameter that no forward or context is using (but those
-        whose id is in ``keep``)."""
-        keep = set(keep)
-        for p in P.live_params():
-            if p.sw_meta.active == 0 and id(p) not in keep:
-                P.release(p)
+    def sweep(self, keep=()) -> None:
+        """Release every gathered record of this engine that nothing is using (but ``keep``)."""
+        self.gathers.sweep(keep)
 
     def remove(self) -> None:
         for h in self._handles:

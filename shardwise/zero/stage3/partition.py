@@ -1,40 +1,46 @@
-"""Per-parameter partitions for ZeRO stage 3: split, gather, release.
+"""Per-parameter partitions for ZeRO stage 3: the record of each parameter and its owner.
 
 Every partitioned parameter is flattened and padded to a multiple of the world size W;
-rank r keeps the contiguous chunk ``[r·c, (r+1)·c)`` (``c = padded / W``) as its *shard*.
-Outside a gather the parameter's ``.data`` is an empty tensor of the compute dtype on the
-compute device, and ``param.sw_shape`` / ``param.sw_numel`` keep the full geometry.
+rank r keeps the contiguous chunk ``[r·c, (r+1)·c)`` (``c = padded / W``) as its *shard*
+(a :class:`~.storage.ShardStorage`). Outside a gather the parameter's ``.data`` is an empty
+tensor of the compute dtype on the compute device; its :class:`PartitionedParam` record
+keeps the full geometry. Gathering and releasing are in ``gather.py``.
 
-Gathering all-gathers the shards into one padded *full* buffer and points ``.data`` at a
-view of it. Releasing points ``.data`` back at the empty tensor **and** shrinks the full
-buffer's storage to zero bytes: autograd may hold views of the gathered weights (saved
-for backward) and those would otherwise keep the whole model alive until backward ends.
-The next gather re-grows the same storage and fills it again, so those saved views see
-valid values when backward runs (the technique FSDP1 used for its flat parameters).
+A :class:`Partitioner` owns the records of the parameters it partitioned (one per engine, one
+per ``zero.Init`` context) and nothing is stored on the parameters themselves. The one table
+of the process, :func:`owner_of`, only says which partitioner holds a parameter (weakly, so
+that ``GatheredParameters(params)`` finds the right engine's gather context); an engine
+adopting a model built under ``zero.Init`` takes the records over.
 
-Per-parameter (not per-module) partitions keep tied weights simple (one state per
+Per-parameter (not per-module) partitions keep tied weights simple (one record per
 Parameter object, whichever module uses it) and let ``zero.Init`` and the strategy share
 one layout, so a model built under ``zero.Init`` is adopted without any communication.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ...accelerator import get_accelerator
-from ...comm import all_gather_flat
+from ...comm.topology import group_world_rank
 from ...errors import ZeroError
+from .storage import ShardStorage, TensorShard
 
 RELEASED, INFLIGHT, GATHERED = "released", "inflight", "gathered"
+
+OnModified = Callable[[torch.nn.Parameter], None]
 
 
 @dataclass(eq=False)
 class PartitionedParam:
-    """The stage-3 state of one parameter (stored as ``param.sw_meta``)."""
+    """The stage-3 state of one parameter, owned by its :class:`Partitioner`."""
 
+    param_ref: "weakref.ref[torch.nn.Parameter]" = field(repr=False)
+    """The parameter whose ``.data`` this record points at its gathered value or ``empty``
+    (weakly: the parameter's lifetime is the model's)."""
     shape: torch.Size
     """The full, unpartitioned shape."""
     numel: int
@@ -42,7 +48,7 @@ class PartitionedParam:
     world: int
     rank: int
     group: Optional[dist.ProcessGroup]
-    shard: torch.Tensor
+    storage: ShardStorage
     """This rank's ``chunk`` elements (padding included), compute dtype, on the shard device
     (the accelerator, or the CPU under ``offload_param``)."""
     compute_device: torch.device
@@ -56,22 +62,33 @@ class PartitionedParam:
     as that is released and refilled, so a gather only points ``.data`` at it."""
     status: str = RELEASED
     work: Any = field(repr=False, default=None)
+    """The async all-gather handle while in flight."""
     staging: Optional[torch.Tensor] = field(repr=False, default=None)
     """Device copy of an offloaded shard while its all-gather runs."""
     fetched: Any = field(repr=False, default=None)
-    """CUDA event of an offloaded shard's copy to the device (world 1), until it is used."""
+    """Event of an offloaded shard's copy to the device (world 1), until it is used."""
     active: int = 0
     """Forward calls / GatheredParameters contexts using the gathered value right now."""
-    on_modified: Optional[Callable[[torch.nn.Parameter], None]] = field(repr=False, default=None)
+    on_modified: Optional[OnModified] = field(repr=False, default=None)
     """Set by the strategy: refresh the fp32 master after the shard was overwritten."""
 
     @property
-    def chunk(self) -> int:
-        return self.shard.numel()
+    def param(self) -> torch.nn.Parameter:
+        return self.param_ref()
 
     @property
-    def padded(self) -> int:
-        return self.chunk * self.world
+    def shard(self) -> torch.Tensor:
+        """The chunk as a tensor (resident storages: their own memory)."""
+        return self.storage.tensor()
+
+    chunk: int = field(init=False)
+    """Elements per rank (padding included): the shard's size (fixed at partition time)."""
+    padded: int = field(init=False)
+    """``chunk · world``: the gathered buffer's size (asked on every prefetch)."""
+
+    def __post_init__(self) -> None:
+        self.chunk = self.storage.numel
+        self.padded = self.chunk * self.world
 
     @property
     def own_lo(self) -> int:
@@ -86,241 +103,170 @@ class PartitionedParam:
     def own_len(self) -> int:
         return self.own_hi - self.own_lo
 
-
-# Every gathered or in-flight partitioned parameter of this process, in gather order, so
-# sweeps (end of forward/backward) and the max_live_parameters budget see one picture.
-_LIVE: Dict[int, torch.nn.Parameter] = {}
-_LIVE_NUMEL = [0]  # padded elements of _LIVE, kept as it changes (asked on every prefetch)
+    def write_full_(self, full: torch.Tensor) -> None:
+        """Store this rank's chunk of the full value ``full`` into the shard."""
+        self.storage.write_(full.reshape(-1)[self.own_lo:self.own_hi])
 
 
-def live_params() -> List[torch.nn.Parameter]:
-    return list(_LIVE.values())
-
-
-def live_numel() -> int:
-    return _LIVE_NUMEL[0]
-
-
-def is_partitioned(p: Any) -> bool:
-    return isinstance(getattr(p, "sw_meta", None), PartitionedParam)
-
-
-def group_info(group: Optional[dist.ProcessGroup]) -> tuple:
+def group_info(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
     """(world, rank) of ``group``; a process without torch.distributed is a world of one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group), dist.get_rank(group)
-    return 1, 0
+    return group_world_rank(group)
 
 
 def global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not None else rank
 
 
-def place_shard(t: torch.Tensor, device: torch.device, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """Copy ``t`` to its shard home; CPU shards are pinned when asked and an accelerator exists."""
-    out = t.to(device=device, dtype=dtype, copy=True).contiguous()
-    if pin and out.device.type == "cpu":
-        out = get_accelerator().pin_memory(out)
-    return out
+# --- which partitioner holds a parameter ---------------------------------------------------
+_OWNERS: Dict[int, "Partitioner"] = {}
+"""id(parameter) -> its partitioner, while the parameter lives: a partitioner (and the
+records it owns) lives as long as one of its parameters does, whether or not the
+``zero.Init`` context or the engine that made it is still referenced."""
 
 
-def partition_param(p: torch.nn.Parameter, *, world: int, rank: int,
-                    group: Optional[dist.ProcessGroup], shard_device: torch.device,
-                    compute_device: torch.device, dtype: Optional[torch.dtype] = None,
-                    pin: bool = False) -> PartitionedParam:
-    """Keep this rank's chunk of ``p`` (which holds its full value) and empty ``p.data``."""
-    if is_partitioned(p):
-        return p.sw_meta
-    dtype = dtype or p.dtype
-    numel = p.numel()
-    chunk = -(-numel // world) if numel else 0
-    flat = p.detach().reshape(-1)
-    lo, hi = min(rank * chunk, numel), min((rank + 1) * chunk, numel)
-    shard = torch.zeros(chunk, dtype=dtype, device=shard_device)
-    if pin and shard.device.type == "cpu":
-        shard = get_accelerator().pin_memory(shard)
-    with torch.no_grad():
-        shard[:hi - lo].copy_(flat[lo:hi])
-    meta = PartitionedParam(shape=torch.Size(p.shape), numel=numel, world=world, rank=rank,
-                            group=group, shard=shard, compute_device=torch.device(compute_device))
-    meta.empty = torch.empty(0, dtype=dtype, device=compute_device)
-    p.data = meta.empty
-    p.sw_meta = meta
-    p.sw_shape = meta.shape
-    p.sw_numel = numel
-    return meta
+def _forget(pid: int, owner: "Partitioner") -> None:
+    if _OWNERS.get(pid) is owner:
+        del _OWNERS[pid]
 
 
-def adopt(p: torch.nn.Parameter, *, shard_device: torch.device, compute_device: torch.device,
-          dtype: torch.dtype, pin: bool, world: int) -> PartitionedParam:
-    """Move an already partitioned parameter (``zero.Init``) to the strategy's placement."""
-    meta: PartitionedParam = p.sw_meta
-    if meta.world != world:
-        raise ZeroError(f"a parameter of shape {tuple(meta.shape)} was partitioned by zero.Init "
-                        f"over {meta.world} ranks, but the engine's data-parallel group has "
-                        f"{world}; build the model under zero.Init with the same group (or "
-                        "data_parallel_group=None for the default group)")
-    release(p)
-    if meta.shard.device != shard_device or meta.shard.dtype != dtype:
-        meta.shard = place_shard(meta.shard, shard_device, dtype, pin)
-    meta.compute_device = torch.device(compute_device)
-    meta.empty = torch.empty(0, dtype=dtype, device=compute_device)
-    meta.full = meta.gathered = None
-    p.data = meta.empty
-    return meta
+def owner_of(p: Any) -> Optional["Partitioner"]:
+    """The partitioner that holds ``p`` (partitioned, or whole but watched), if any."""
+    owner = _OWNERS.get(id(p))
+    if owner is None or not owner.holds(p):
+        return None
+    return owner
 
 
-def unpartition(p: torch.nn.Parameter) -> None:
-    """Make a partitioned parameter whole again on every rank (collective)."""
-    meta: PartitionedParam = p.sw_meta
-    meta.active += 1
-    gather([p])
-    whole = p.data.clone()
-    meta.active -= 1
-    release(p)
-    p.data = whole
-    for attr in ("sw_meta", "sw_shape", "sw_numel"):
-        delattr(p, attr)
+def record_of(p: Any) -> Optional[PartitionedParam]:
+    """``p``'s partition record, or None for a whole (or foreign) tensor."""
+    owner = owner_of(p)
+    return owner.record(p) if owner is not None else None
 
 
-# --- gather / release --------------------------------------------------------------------
-def _fetch_stream(device: torch.device):
-    """The side stream that copies offloaded shards to ``device`` (one per device)."""
-    stream = _FETCH_STREAMS.get(device)
-    if stream is None:
-        stream = _FETCH_STREAMS[device] = torch.cuda.Stream(device=device)
-    return stream
+def is_partitioned(p: Any) -> bool:
+    return record_of(p) is not None
 
 
-_FETCH_STREAMS: Dict[torch.device, Any] = {}
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """The shape of ``p`` as the model sees it (the full shape of a partitioned one)."""
+    rec = record_of(p)
+    return rec.shape if rec is not None else p.shape
 
 
-def sync_fetches() -> None:
-    """Block until every host-to-device shard copy is done: the host may overwrite shards
-    (optimizer step, checkpoint load) only when no copy still reads them."""
-    for stream in _FETCH_STREAMS.values():
-        stream.synchronize()
+def full_numel(p: torch.Tensor) -> int:
+    rec = record_of(p)
+    return rec.numel if rec is not None else p.numel()
 
 
-def start_gather(p: torch.nn.Parameter) -> None:
-    """Launch the all-gather of ``p`` (asynchronous where the backend allows)."""
-    start_gathers([p])
+class Partitioner:
+    """Splits parameters into this rank's shards and owns their records.
 
-
-def start_gathers(params: Iterable[torch.nn.Parameter]) -> None:
-    """Launch the all-gathers of ``params`` (asynchronous where the backend allows).
-
-    Under ``offload_param`` on CUDA the shards' copies to the device run on a side stream, so
-    a prefetch overlaps the compute of the modules before it; the compute stream waits for
-    the copies' event only when a parameter is used (``wait_gather``) or dropped. One batch
-    shares one stream wait and one event: the host cost of a fetch is then its copy call.
+    ``gathers`` is the gather context (``gather.GatherContext``) that gathers and releases
+    them: one per engine, so two engines in one process never touch each other's state.
     """
-    side: List[torch.nn.Parameter] = []
-    for p in params:
-        meta: PartitionedParam = p.sw_meta
-        if meta.status != RELEASED:
-            continue  # already gathered, or earlier in this batch (a tied weight)
-        if meta.full is None:
-            meta.full = torch.empty(meta.padded, dtype=meta.shard.dtype, device=meta.compute_device)
-            meta.gathered = meta.full[:meta.numel].view(meta.shape)
-        storage = meta.full.untyped_storage()
-        nbytes = meta.padded * meta.full.element_size()
-        if storage.size() < nbytes:
-            # allocated on the compute stream: its earlier uses of this memory come first there
-            storage.resize_(nbytes)
-        meta.work = None
-        if meta.shard.device != meta.compute_device and meta.compute_device.type == "cuda":
-            side.append(p)
-        elif meta.world == 1:
-            meta.full.copy_(meta.shard)
-        else:
-            src = meta.shard
-            if src.device != meta.compute_device:
-                meta.staging = src.to(meta.compute_device)
-                src = meta.staging
-            meta.work = all_gather_flat(meta.full, src, group=meta.group, async_op=True)
-        meta.status = INFLIGHT
-        _LIVE[id(p)] = p
-        _LIVE_NUMEL[0] += meta.padded
-    if side:
-        _fetch_to_device(side)
 
+    def __init__(self, *, group: Optional[dist.ProcessGroup], shard_device: torch.device,
+                 compute_device: torch.device, pin: bool = False) -> None:
+        from .gather import GatherContext
+        self.group = group
+        self.world, self.rank = group_info(group)
+        self.shard_device = torch.device(shard_device)
+        self.compute_device = torch.device(compute_device)
+        self.pin = bool(pin)
+        self.gathers = GatherContext()
+        self._records: Dict[int, PartitionedParam] = {}
+        self._whole: Dict[int, Tuple["weakref.ref[torch.nn.Parameter]", OnModified]] = {}
 
-def _fetch_to_device(params: List[torch.nn.Parameter]) -> None:
-    """offload_param on CUDA: the copies wait only for what the compute stream queued so far
-    (the release of the memory they reuse), then run beside the compute."""
-    device = params[0].sw_meta.compute_device
-    compute = torch.cuda.current_stream(device)
-    fetch = _fetch_stream(device)
-    fetch.wait_stream(compute)
-    with torch.cuda.stream(fetch):
-        for p in params:
-            meta = p.sw_meta
-            dst = meta.full
-            if meta.world > 1:
-                meta.staging = torch.empty(meta.chunk, dtype=meta.shard.dtype, device=device)
-                dst = meta.staging
-            dst.copy_(meta.shard, non_blocking=True)
-        fetched = torch.cuda.Event()
-        fetched.record(fetch)
-    for p in params:
-        meta = p.sw_meta
-        meta.fetched = fetched
-        if meta.world > 1:
-            compute.wait_event(fetched)
-            meta.fetched = None
-            meta.work = all_gather_flat(meta.full, meta.staging, group=meta.group, async_op=True)
+    # --- lookup ----------------------------------------------------------------------------
+    def holds(self, p: Any) -> bool:
+        rec = self._records.get(id(p))
+        if rec is not None:
+            return rec.param is p
+        whole = self._whole.get(id(p))
+        return whole is not None and whole[0]() is p
 
+    def record(self, p: Any) -> Optional[PartitionedParam]:
+        rec = self._records.get(id(p))
+        return rec if rec is not None and rec.param is p else None
 
-def _finish_inflight(meta: "PartitionedParam") -> None:
-    """Make the compute stream (or the host) wait for an in-flight fetch or gather."""
-    if meta.work is not None:
-        meta.work.wait()
-    if meta.fetched is not None:
-        torch.cuda.current_stream(meta.compute_device).wait_event(meta.fetched)
-    meta.work = None
-    meta.fetched = None
-    meta.staging = None
+    def records(self) -> Iterator[PartitionedParam]:
+        return iter(self._records.values())
 
+    def whole_modified(self, p: torch.nn.Parameter) -> Optional[OnModified]:
+        """The callback of a whole (persistent) parameter watched with :meth:`watch_whole`."""
+        entry = self._whole.get(id(p))
+        return entry[1] if entry is not None and entry[0]() is p else None
 
-def wait_gather(p: torch.nn.Parameter) -> None:
-    meta: PartitionedParam = p.sw_meta
-    if meta.status == RELEASED:
-        start_gather(p)
-    if meta.status == INFLIGHT:
-        _finish_inflight(meta)
-        p.data = meta.gathered
-        meta.status = GATHERED
+    def _claim(self, p: torch.nn.Parameter) -> None:
+        if _OWNERS.get(id(p)) is not self:
+            _OWNERS[id(p)] = self
+            weakref.finalize(p, _forget, id(p), self)
 
+    def watch_whole(self, p: torch.nn.Parameter, on_modified: OnModified) -> None:
+        """A whole parameter whose fp32 master must follow a ``GatheredParameters`` edit."""
+        self._whole[id(p)] = (weakref.ref(p), on_modified)
+        self._claim(p)
 
-def gather(params: Iterable[torch.nn.Parameter]) -> None:
-    """Gather every partitioned parameter in ``params``: launch all, then wait for all."""
-    todo = [p for p in params if is_partitioned(p)]
-    start_gathers(todo)
-    for p in todo:
-        wait_gather(p)
+    # --- partition / adopt / unpartition ---------------------------------------------------
+    def partition(self, p: torch.nn.Parameter, dtype: Optional[torch.dtype] = None) -> PartitionedParam:
+        """Keep this rank's chunk of ``p`` (which holds its full value) and empty ``p.data``;
+        a parameter another partitioner holds is adopted instead."""
+        rec = record_of(p)
+        if rec is not None:
+            return self.adopt(p, dtype or rec.shard.dtype)
+        dtype = dtype or p.dtype
+        numel = p.numel()
+        chunk = -(-numel // self.world) if numel else 0
+        lo, hi = min(self.rank * chunk, numel), min((self.rank + 1) * chunk, numel)
+        storage = TensorShard.zeros(chunk, dtype, self.shard_device, self.pin)
+        storage.write_(p.detach().reshape(-1)[lo:hi])
+        rec = PartitionedParam(param_ref=weakref.ref(p), shape=torch.Size(p.shape), numel=numel, world=self.world,
+                               rank=self.rank, group=self.group, storage=storage,
+                               compute_device=self.compute_device)
+        rec.empty = torch.empty(0, dtype=dtype, device=self.compute_device)
+        p.data = rec.empty
+        self._records[id(p)] = rec
+        self._claim(p)
+        return rec
 
+    def adopt(self, p: torch.nn.Parameter, dtype: torch.dtype) -> PartitionedParam:
+        """Take over a parameter partitioned elsewhere (``zero.Init``), moved to this
+        partitioner's placement."""
+        old = owner_of(p)
+        rec = old.record(p) if old is not None else None
+        if rec is None:
+            raise ZeroError("adopt(): the parameter is not partitioned")
+        if old is self:
+            return rec
+        if rec.world != self.world:
+            raise ZeroError(f"a parameter of shape {tuple(rec.shape)} was partitioned by zero.Init "
+                            f"over {rec.world} ranks, but the engine's data-parallel group has "
+                            f"{self.world}; build the model under zero.Init with the same group "
+                            "(or data_parallel_group=None for the default group)")
+        old.gathers.release(rec)
+        old._records.pop(id(p), None)
+        if rec.shard.device != self.shard_device or rec.shard.dtype != dtype:
+            rec.storage = TensorShard.copy_of(rec.shard, self.shard_device, dtype, self.pin)
+        rec.group = self.group
+        rec.compute_device = self.compute_device
+        rec.empty = torch.empty(0, dtype=dtype, device=self.compute_device)
+        rec.full = rec.gathered = None
+        p.data = rec.empty
+        self._records[id(p)] = rec
+        self._claim(p)
+        return rec
 
-def release(p: torch.nn.Parameter) -> None:
-    """Drop the gathered value of ``p`` (waits for an in-flight gather first)."""
-    meta: PartitionedParam = p.sw_meta
-    if meta.status == RELEASED:
-        return
-    if meta.status == INFLIGHT:
-        # the memory is about to be reused: nothing may still be writing into it
-        _finish_inflight(meta)
-    p.data = meta.empty
-    if meta.full is not None:
-        meta.full.untyped_storage().resize_(0)
-    meta.status = RELEASED
-    if _LIVE.pop(id(p), None) is not None:
-        _LIVE_NUMEL[0] -= meta.padded
-
-
-def write_full_(p: torch.nn.Parameter, full: torch.Tensor) -> None:
-    """Store this rank's chunk of the full value ``full`` into the shard."""
-    meta: PartitionedParam = p.sw_meta
-    if meta.shard.device.type == "cpu":
-        sync_fetches()
-    with torch.no_grad():
-        meta.shard[:meta.own_len].copy_(full.reshape(-1)[meta.own_lo:meta.own_hi])
+    def unpartition(self, p: torch.nn.Parameter) -> None:
+        """Make a partitioned parameter whole again on every rank (collective)."""
+        owner = owner_of(p)
+        rec = owner.record(p) if owner is not None else None
+        if rec is None:
+            return
+        rec.active += 1
+        owner.gathers.gather([rec])
+        whole = p.data.clone()
+        rec.active -= 1
+        owner.gathers.release(rec)
+        p.data = whole
+        owner._records.pop(id(p), None)
+        _forget(id(p), owner)

@@ -1,6 +1,6 @@
 """Host-memory helpers for stage-3 offload: pinned buffers and gradient streaming to the CPU.
 
-``offload_param`` keeps each parameter's shard in (pinned) CPU memory; ``partition.py``
+``offload_param`` keeps each parameter's shard in (pinned) CPU memory; ``zero/stage3/gather.py``
 copies it to the accelerator on a side stream right before the module needs it (or earlier,
 as a prefetch), so fetching a module costs one host-to-device copy of this rank's chunk.
 
@@ -30,8 +30,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from ...accelerator import get_accelerator
-from ...offload.cpu_worker import cpu_step_pool
+from ..accelerator import get_accelerator
+from .cpu_worker import cpu_step_pool
 
 
 COPY_STREAMS = 2
@@ -54,12 +54,13 @@ class HostGradAccumulator:
 
     def __init__(self, device: torch.device, master_device: torch.device) -> None:
         self.device = torch.device(device)
+        self.accel = get_accelerator()  # streams and events
         self.asynchronous = torch.device(master_device).type == "cpu"
         self.copies = self.asynchronous and self.device.type == "cuda"
         # two copy streams, each partition always on the same one: one stream runs its copy
         # in, add and copy back in order, so alone it never overlaps a copy back with the
         # next gradient's copy in; two keep both copy directions busy
-        self.streams = ([torch.cuda.Stream(device=self.device) for _ in range(COPY_STREAMS)]
+        self.streams = ([self.accel.Stream(self.device) for _ in range(COPY_STREAMS)]
                         if self.copies else [])
         self._stream_of: Dict[int, int] = {}
         """Partition data pointer -> its stream: a partition's adds stay in order."""
@@ -75,7 +76,7 @@ class HostGradAccumulator:
         self._sumsq_device = []
         for stream in self.streams:
             # made and written on its copy stream: its memory belongs to that stream's pool
-            with torch.cuda.stream(stream):
+            with self.accel.stream(stream):
                 self._sumsq_device.append(torch.zeros((), dtype=torch.float32, device=self.device))
 
     @property
@@ -94,7 +95,7 @@ class HostGradAccumulator:
         # written on the copy streams: the reader's stream waits for them there, not the host
         # (and the host part is added as a Python number: copying a host tensor to the
         # device would block the host until the reader's stream drained)
-        reader = torch.cuda.current_stream(self.device)
+        reader = self.accel.current_stream(self.device)
         total = None
         for stream, part in zip(self.streams, self._sumsq_device):
             if reader != stream:
@@ -113,10 +114,10 @@ class HostGradAccumulator:
         if self.stream is None:
             yield work
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        self.stream.wait_stream(self.accel.current_stream(self.device))
+        with self.accel.stream(self.stream):
             yield work
-            work.event = torch.cuda.Event()
+            work.event = self.accel.Event()
             work.event.record(self.stream)
 
     # --- adding ------------------------------------------------------------------------------
@@ -141,8 +142,8 @@ class HostGradAccumulator:
             return
         index = self._stream_of.setdefault(dst.data_ptr(), len(self._stream_of) % len(self.streams))
         stream = self.streams[index]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        stream.wait_stream(self.accel.current_stream(self.device))
+        with self.accel.stream(stream):
             if overwrite:
                 wide = src if src.dtype == dst.dtype else src.to(dst.dtype)
             else:
@@ -154,7 +155,7 @@ class HostGradAccumulator:
                 # the final gradient passes through the device anyway: measure it here
                 self._sumsq_device[index].add_(
                     torch.dot(wide.reshape(-1), wide.reshape(-1)).float())
-            done = torch.cuda.Event() if after is not None else None
+            done = self.accel.Event() if after is not None else None
             if done is not None:
                 done.record(stream)
         src.record_stream(stream)
@@ -176,7 +177,7 @@ class HostGradAccumulator:
         to wait on (the caller's thread goes on without waiting)."""
         events = []
         for stream in self.streams:
-            events.append(torch.cuda.Event())
+            events.append(self.accel.Event())
             events[-1].record(stream)
         futures = list(self._futures)
 

@@ -1,0 +1,104 @@
+"""Where a stage-3 shard lives: a small storage interface instead of a bare tensor.
+
+A partitioned parameter keeps this rank's chunk of its elements in a :class:`ShardStorage`.
+Today's backends are resident tensors (:class:`TensorShard`: on the accelerator, or in
+(pinned) host memory under ``offload_param``); a file backend (NVMe, through the IO layer)
+implements the same calls later. Readers ask :meth:`ShardStorage.tensor` for a tensor with
+the chunk's elements; writers go through :meth:`ShardStorage.write_`; the delayed update
+swaps two storages of one parameter with :meth:`ShardStorage.swap`.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ...accelerator import get_accelerator
+
+
+@runtime_checkable
+class ShardStorage(Protocol):
+    """The chunk of one partitioned parameter that this rank owns (padding included)."""
+
+    @property
+    def numel(self) -> int:
+        """Elements of the chunk (padding included)."""
+        ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where the resident copy lives (the host for offloaded shards)."""
+        ...
+
+    def tensor(self) -> torch.Tensor:
+        """A tensor holding the chunk; resident backends return their own memory (writes
+        into it are writes into the shard)."""
+        ...
+
+    def write_(self, src: torch.Tensor, offset: int = 0, non_blocking: bool = False) -> None:
+        """Copy ``src`` into the chunk at ``offset``."""
+        ...
+
+    def swap(self, other: "ShardStorage") -> None:
+        """Exchange contents with ``other`` (same geometry) without copying."""
+        ...
+
+
+class TensorShard:
+    """A shard resident in memory: an accelerator tensor, or host memory (pinned on request
+    when an accelerator can use pinned memory)."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._t = t
+
+    @classmethod
+    def zeros(cls, numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> "TensorShard":
+        t = torch.zeros(numel, dtype=dtype, device=device)
+        if pin and t.device.type == "cpu":
+            t = get_accelerator().pin_memory(t)
+        return cls(t)
+
+    @classmethod
+    def copy_of(cls, t: torch.Tensor, device: torch.device, dtype: torch.dtype, pin: bool) -> "TensorShard":
+        """A new shard on ``device`` holding ``t``'s elements."""
+        out = t.to(device=device, dtype=dtype, copy=True).contiguous()
+        if pin and out.device.type == "cpu":
+            out = get_accelerator().pin_memory(out)
+        return cls(out)
+
+    @property
+    def numel(self) -> int:
+        return self._t.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._t.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._t.device
+
+    @property
+    def pinned(self) -> bool:
+        return self._t.device.type == "cpu" and self._t.is_pinned()
+
+    def tensor(self) -> torch.Tensor:
+        return self._t
+
+    def write_(self, src: torch.Tensor, offset: int = 0, non_blocking: bool = False) -> None:
+        with torch.no_grad():
+            self._t[offset:offset + src.numel()].copy_(src.reshape(-1), non_blocking=non_blocking)
+
+    def swap(self, other: "ShardStorage") -> None:
+        if not isinstance(other, TensorShard):
+            raise TypeError(f"cannot swap a TensorShard with {type(other).__name__}")
+        self._t, other._t = other._t, self._t
+
+    def __repr__(self) -> str:
+        return f"TensorShard({self.numel}, {self.dtype}, {self.device}{', pinned' if self.pinned else ''})"
