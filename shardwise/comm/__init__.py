@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import tempfile
 import sys
 from typing import Any, List, Optional
 
@@ -35,6 +36,18 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value not in (None, "") else default
 
 
+def _single_process_store() -> "dist.Store":
+    """The rendezvous store of a world of one: in memory where torch has ``HashStore``; the
+    Windows wheels lack it, so a ``FileStore`` on a temporary file there (removed at exit)."""
+    if hasattr(dist, "HashStore"):
+        return dist.HashStore()
+    fd, path = tempfile.mkstemp(prefix="shardwise-store-")
+    os.close(fd)
+    os.remove(path)  # FileStore creates it; an existing empty file reads as a corrupt store
+    atexit.register(lambda: os.path.exists(path) and os.remove(path))
+    return dist.FileStore(path, 1)
+
+
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True,
                      timeout: datetime.timedelta = datetime.timedelta(minutes=30),
@@ -58,7 +71,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         # (a user's USE_LIBUV=1 can never work there).
         os.environ["USE_LIBUV"] = "0"
     if env_world == 1 and init_method is None and "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+        dist.init_process_group(backend, store=_single_process_store(), rank=0, world_size=1,
                                 timeout=timeout)
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
