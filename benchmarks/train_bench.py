@@ -97,6 +97,8 @@ MATCHING_DS = {
     "sw_z3_offload_dpu": "ds_z3_offload",
     "sw_z2_compile": "ds_z2_compile",
     "sw_z2_compile_module": "ds_z2_compile",
+    "sw_z2_monitors": "ds_z2",
+    "sw_z2_wallclock": "ds_z2",
 }
 
 #: Environment variable that carries --compile-backend from the parent to the workers.
@@ -310,6 +312,42 @@ def setup_sw_z2_compile_module(model, batches, cfg, device) -> StepFn:
     return _setup_shardwise_compile(model, batches, cfg, device, "module")
 
 
+def monitor_output_path() -> Path:
+    """Where the monitor variants write their CSV runs: $OUT/monitors (else out/monitors)."""
+    out = os.environ.get("OUT")
+    return (Path(out) if out else REPO_ROOT / "out") / "monitors"
+
+
+def _setup_shardwise_monitors(model, batches, cfg, device, wall_clock: bool) -> StepFn:
+    """``sw_z2`` with the CSV monitor on and DeepSpeed's default steps_per_print (10): every
+    step's events, a log line, a flush and a host read every 10 steps. Its job folder is
+    ``monitor_output_path()/<variant>``, ready for ``shardwise plot``."""
+    import shardwise
+
+    set_single_process_env()
+    name = "sw_z2_wallclock" if wall_clock else "sw_z2_monitors"
+    root = monitor_output_path()
+    job, k = name, 1
+    while (root / job).exists():  # a variant listed twice gets a run folder per repeat
+        k += 1
+        job = f"{name}_{k}"
+    config = engine_config(cfg, ZERO_SECTIONS["z2"])
+    config.update(steps_per_print=10, wall_clock_breakdown=wall_clock,
+                  csv_monitor={"enabled": True, "output_path": str(root), "job_name": job})
+    engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    return engine_step(engine, batches)
+
+
+def setup_sw_z2_monitors(model, batches, cfg, device) -> StepFn:
+    """shardwise ZeRO-2 with the CSV monitor (loss, lr, grad norm, throughput, memory)."""
+    return _setup_shardwise_monitors(model, batches, cfg, device, wall_clock=False)
+
+
+def setup_sw_z2_wallclock(model, batches, cfg, device) -> StepFn:
+    """sw_z2_monitors plus wall_clock_breakdown (syncs around every phase: slower by design)."""
+    return _setup_shardwise_monitors(model, batches, cfg, device, wall_clock=True)
+
+
 def _bind(setup: Callable[..., StepFn], zero_key: str) -> Callable[..., StepFn]:
     def bound(model, batches, cfg, device) -> StepFn:
         return setup(model, batches, cfg, device, zero_key)
@@ -342,6 +380,8 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "ds_z2_compile": setup_ds_z2_compile,
     "sw_z2_compile": setup_sw_z2_compile,
     "sw_z2_compile_module": setup_sw_z2_compile_module,
+    "sw_z2_monitors": setup_sw_z2_monitors,
+    "sw_z2_wallclock": setup_sw_z2_wallclock,
 }
 
 
@@ -526,6 +566,21 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         r["x_ds"] = ratio(r["tokens_per_s"], tok.get(ds)) if ds else None
 
 
+def monitor_overhead(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean step time of each monitor variant over sw_z2's, minus 1 (rows that ran twice are
+    averaged, so interleaving sw_z2 and sw_z2_monitors evens out drift)."""
+    times: dict[str, list[float]] = {}
+    for r in results:
+        if not r.get("error"):
+            times.setdefault(r["variant"], []).append(r["step_s"])
+    base = times.get("sw_z2")
+    if not base:
+        return {}
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {f"{name}_overhead": mean(times[name]) / mean(base) - 1.0
+            for name in ("sw_z2_monitors", "sw_z2_wallclock") if name in times}
+
+
 TABLE_COLUMNS = [
     ("variant", "variant", ""),
     ("tokens_per_s", "tokens/s", ",.0f"),
@@ -656,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, cfg, results, extra)  # after each variant, in case we are killed
 
     add_ratios(results)
+    extra.update(monitor_overhead(results))
     write_json(args.out, cfg, results, extra)
     n_params = next((r["n_params"] for r in results if "n_params" in r), None)
     print()
@@ -664,6 +720,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.grad_accum} micro batches per step, {cfg.warmup} warm-up + {cfg.steps} timed "
           f"steps, MFU vs {cfg.peak_flops / 1e12:.0f} TFLOP/s; ratios are tokens/s ratios")
     print(format_table(results, TABLE_COLUMNS))
+    for key, value in monitor_overhead(results).items():
+        print(f"{key}: {value:+.2%} mean step time vs sw_z2 (target <= +1% for monitors)")
     if args.out is not None:
         print(f"\nresults: {args.out}")
     if tmp is not None:

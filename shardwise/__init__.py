@@ -30,6 +30,7 @@ _LAZY = {
 _SUBMODULES = {"comm": "shardwise.comm", "zero": "shardwise.zero", "utils": "shardwise.utils",
                "checkpointing": "shardwise.activation", "checkpoint": "shardwise.checkpoint",
                "config": "shardwise.config", "ops": "shardwise.ops"}
+_SUBMODULES["monitor"] = "shardwise.monitor"
 
 __all__ = ["__version__", "get_accelerator", "ConfigError", "CheckpointError", "LaunchError",
            "ShardwiseError", *_LAZY, *_SUBMODULES]

@@ -1,4 +1,5 @@
-"""The ``shardwise`` command: ``run`` (the default), ``report``, ``convert``, ``estimate``, ``generate``.
+"""The ``shardwise`` command: ``run`` (the default), ``report``, ``convert``, ``estimate``,
+``plot``, ``generate``.
 
 ``shardwise train.py ...`` and ``shardwise run train.py ...`` launch; the other words are
 subcommands. Each subcommand's module is imported only when it is used, so a missing
@@ -19,6 +20,9 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "convert": ("shardwise.checkpoint.convert", "main"),
     "estimate": ("shardwise.profiling.estimate_cli", "main"),
     "generate": ("shardwise.inference.cli", "main"),
+    "io-bench": ("shardwise.io.bench_cli", "io_bench_main"),
+    "nvme-tune": ("shardwise.io.bench_cli", "nvme_tune_main"),
+    "plot": ("shardwise.monitor.plot", "main"),
 }
 
 

@@ -28,3 +28,13 @@ class DistributedError(ShardwiseError, RuntimeError):
 
 class ZeroError(ShardwiseError):
     """A ZeRO partitioning rule was broken (e.g. reading a partitioned parameter)."""
+
+
+class StorageError(ShardwiseError, OSError):
+    """A file read or write of the IO layer failed (missing or short file, read-only or full
+    disk, a buffer that cannot be used for IO); the message names the file."""
+
+
+class UnsupportedFeatureError(ShardwiseError, NotImplementedError):
+    """A DeepSpeed feature or engine method that shardwise does not implement; the message
+    names it and says what to do instead."""

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..errors import CheckpointError
 from ..utils.logging import log_dist, logger
 from ..zero.shard_view import ShardView
@@ -62,14 +63,14 @@ def _dist_on(engine: Any) -> bool:
 
 def _barrier(engine: Any) -> None:
     if _dist_on(engine):
-        dist.barrier(group=engine.dp_group)
+        comm.barrier(group=engine.dp_group)
 
 
 def _gather_objects(engine: Any, obj: Any) -> List[Any]:
     if not _dist_on(engine):
         return [obj]
     out: List[Any] = [None] * engine.world_size
-    dist.all_gather_object(out, obj, group=engine.dp_group)
+    comm.all_gather_object(out, obj, group=engine.dp_group)
     return out
 
 
@@ -460,7 +461,7 @@ def load_checkpoint(engine: Any, load_dir: PathLike, tag: Optional[str] = None,
             engine.refresh_after_load(weights_only=load_module_only)
         elif _dist_on(engine):
             for p in engine.module.parameters():
-                dist.broadcast(p.data, src=0, group=engine.dp_group)
+                comm.broadcast(p.data, src=0, group=engine.dp_group)
         client_state = reader.client_state()
         if not load_module_only:
             _restore_training_state(engine, reader, load_optimizer, load_lr_scheduler_states)
@@ -554,7 +555,7 @@ def _gather_full(engine: Any, name: str, p: torch.nn.Parameter, view: Optional[S
     wire = torch.zeros(shape.numel(), dtype=torch.float32, device=engine.device)
     if view is not None and view.numel > 0:
         wire[view.start:view.end] = view.weight.float().to(engine.device)
-    dist.reduce(wire, dst=dist.get_global_rank(engine.dp_group, 0) if engine.dp_group else 0,
+    comm.reduce(wire, dst=dist.get_global_rank(engine.dp_group, 0) if engine.dp_group else 0,
                 group=engine.dp_group)
     return wire.to("cpu").to(dtype).reshape(shape)
 

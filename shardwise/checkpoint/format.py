@@ -25,32 +25,33 @@ loading garbage. crc32 was chosen over blake2b because zlib's crc32 runs at ~2 G
 (blake2b ~0.9 GB/s); chunk-wise crcs run on a thread pool while the data is written, so the
 checksum scales with cores and costs no write throughput.
 
-Speed: the writer (:class:`_StreamWriter`) keeps the disk busy instead of running the
-device-to-host copy, the crc and the write of each chunk one after the other: device
-tensors go through a ring of pinned host buffers with asynchronous copies (the next chunk
-copies while this one is written), CPU tensors are written from their own memory, crcs run
+Speed: the writer (``shardwise.io.stream_writer.StreamWriter``) keeps the disk busy
+instead of running the device-to-host copy, the crc and the write of each chunk one after
+the other: device tensors go through a ring of pinned host buffers with asynchronous
+copies (the next chunk copies while this one is written), CPU tensors are written from their own memory, crcs run
 on a pool, and on Linux the kernel is told to start writing back every WRITEBACK_BYTES so
 the final fsync waits for the tail only. None of it changes the bytes on disk.
 """
 from __future__ import annotations
 
 import base64
-import collections
 import json
 import os
 import re
 import struct
-import sys
-import threading
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from ..errors import CheckpointError
+from ..io.checksums import ChunkCrcs, chunk_crcs as _chunk_crcs, crc_value
+from ..io.checksums import file_crc32 as _file_crc32
+from ..io.pinned_ring import HostRing, ring_slots
+from ..io.read_pool import ThreadFiles, read_spans, read_workers, readinto_full
+from ..io.stream_writer import SYNC_FILE_RANGE_WRITE, StreamWriter, Writeback, sync_file_range
 from .atomic import atomic_open
 
 FORMAT_NAME = "shardwise-checkpoint"
@@ -229,313 +230,27 @@ class TensorItem:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-def _crc_workers() -> int:
-    return max(1, min(4, (os.cpu_count() or 2) - 1))
 
-
-class _ChunkCrcs:
-    """crc32 of each CHUNK_BYTES chunk, computed on a small thread pool while the main thread
-    writes. zlib releases the GIL on large buffers, so with chunk-wise (not chained) crcs the
-    checksum scales with cores instead of capping the write at one core's ~2 GB/s. At most
-    ``2 * workers`` chunks are in flight, which bounds the work queued behind the writer.
-    Pieces below ``_INLINE_CRC_BYTES`` are checksummed on the calling thread: handing a few
-    kilobytes to the pool costs more than the crc itself."""
-
-    def __init__(self) -> None:
-        workers = _crc_workers()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardwise-crc")
-        self._slots = threading.Semaphore(2 * workers)
-
-    def submit(self, buf) -> "Union[Future[int], int]":
-        if len(buf) < _INLINE_CRC_BYTES:
-            return zlib.crc32(buf)
-        self._slots.acquire()
-        fut = self._pool.submit(zlib.crc32, buf)
-        fut.add_done_callback(lambda _f: self._slots.release())
-        return fut
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-def _crc_value(crc: "Union[Future[int], int]") -> int:
-    return crc.result() if isinstance(crc, Future) else crc
-
-
-#: Pieces smaller than this get their crc32 on the writing thread (see :class:`_ChunkCrcs`).
+#: Pieces smaller than this get their crc32 on the writing thread (see :class:`ChunkCrcs`).
 _INLINE_CRC_BYTES = 1024 * 1024
 
 #: After this many new bytes the writer asks the kernel to start writing them to disk
-#: (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait). Without it the
-#: bytes sit in the page cache until the final fsync, so the disk idles while the tensors
-#: are produced and the fsync then pays the whole disk time: save = produce + disk instead of
-#: max(produce, disk). 0 turns it off (the benchmark's ``--no-writeback`` A/B switch).
+#: (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait), so a save takes
+#: max(produce, disk) instead of produce + disk. 0 turns it off (the benchmark's
+#: ``--no-writeback`` A/B switch).
 WRITEBACK_BYTES = 64 * 1024 * 1024
 
-_SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range_fn: Any = None
-
-
-def _sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
-    """libc's ``sync_file_range`` through ctypes on Linux, else None (other systems have no
-    non-blocking "start writeback" call; there the final fsync does all of it, as before)."""
-    global _sync_file_range_fn
-    if _sync_file_range_fn is None:
-        _sync_file_range_fn = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-                _sync_file_range_fn = fn
-            except (OSError, AttributeError):  # no glibc symbol (e.g. an unusual libc)
-                pass
-    return _sync_file_range_fn or None
-
-
-class _Writeback:
-    """Starts the kernel's writeback of each WRITEBACK_BYTES window as soon as it is written,
-    so the disk works while the next tensors are copied, checksummed and written. This only
-    starts I/O early; durability still comes from the fsync in :func:`atomic_open`, so crash
-    safety is unchanged."""
-
-    def __init__(self, f: Any, enabled: bool) -> None:
-        self._fn = _sync_file_range() if enabled and WRITEBACK_BYTES > 0 else None
-        self._fd = f.fileno() if self._fn is not None else -1
-        self._started = 0  # file offset up to which writeback was requested
-        self.calls = 0
-
-    def advance(self, end: int) -> None:
-        if self._fn is None or end - self._started < WRITEBACK_BYTES:
-            return
-        if self._fn(self._fd, self._started, end - self._started, _SYNC_FILE_RANGE_WRITE) != 0:
-            self._fn = None  # e.g. a filesystem that refuses it: the final fsync still works
-            return
-        self._started = end
-        self.calls += 1
-
-
-def _ring_slots() -> int:
-    """Host buffers in the device-to-host ring: one the DMA fills, one being written, and one
-    per crc worker whose checksum of an already written chunk may still be running."""
-    return _crc_workers() + 2
-
-
-class _Slot:
-    """One CHUNK_BYTES host buffer of the ring and the pieces of tensors staged in it."""
-
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf
-        self.array = buf.numpy()
-        self.pinned = buf.is_pinned()
-        self.fill = 0
-        self.pieces: List[Any] = []  # (item index, begin, end) in this buffer
-        self.events: List[Any] = []  # device events the copies into this buffer finish at
-        self.keep: List[torch.Tensor] = []  # sources kept alive until their copies finished
-        self.crcs: List["Union[Future[int], int]"] = []
-        self.written = True
-
-    def reset(self) -> None:
-        for crc in self.crcs:  # the crc pool may still read the previous content
-            _crc_value(crc)
-        self.fill, self.pieces, self.events, self.keep, self.crcs = 0, [], [], [], []
-        self.written = False
-
-    def stage(self, index: int, piece: torch.Tensor) -> None:
-        """Start copying ``piece`` (flat uint8, on a device) into the free end of the buffer."""
-        n = piece.numel()
-        dst = self.buf[self.fill:self.fill + n]
-        stream_mod = _event_module(piece.device) if self.pinned else None
-        dst.copy_(piece, non_blocking=stream_mod is not None)
-        if stream_mod is not None:
-            if not any(dev == piece.device for dev, _ in self.events):
-                self.events.append((piece.device, None))
-            self.keep.append(piece)
-        self.pieces.append((index, self.fill, self.fill + n))
-        self.fill += n
-
-    def close(self) -> None:
-        """Record, per device, an event after the last copy queued into this buffer."""
-        closed = []
-        for dev, _ in self.events:
-            mod = _event_module(dev)
-            event = mod.Event()
-            event.record(mod.current_stream(dev))
-            closed.append((dev, event))
-        self.events = closed
-
-    def wait(self) -> None:
-        for _dev, event in self.events:
-            event.synchronize()
-        self.events, self.keep = [], []
-
-
-def _event_module(device: torch.device) -> Any:
-    """``torch.cuda`` / ``torch.xpu`` when that backend has streams and events (so a copy
-    into pinned memory can run asynchronously), else None (the copy is synchronous)."""
-    mod = getattr(torch, device.type, None)
-    if device.type in ("cuda", "xpu") and all(hasattr(mod, a) for a in ("Event", "current_stream")):
-        return mod
-    return None
-
-
-class _HostRing:
-    """Round-robin host buffers for device tensors, allocated on the first device tensor of a
-    file (a CPU-only save allocates none) and pinned when an accelerator supports it, so the
-    copy of chunk i+1 runs on the DMA engine while chunk i is written. Allocated once per
-    file, not per chunk: a fresh 32 MiB pageable buffer per chunk costs ~8k page faults and
-    a synchronous copy through the driver's staging buffer each time."""
-
-    def __init__(self) -> None:
-        self._slots: List[_Slot] = []
-        self._next = 0
-
-    @staticmethod
-    def _alloc() -> torch.Tensor:
-        try:
-            from ..accelerator import get_accelerator
-            if get_accelerator().pin_memory_supported():
-                return torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
-        except Exception:  # pinning is an optimisation only (e.g. the pinned limit is hit)
-            pass
-        return torch.empty(CHUNK_BYTES, dtype=torch.uint8)
-
-    def acquire(self) -> _Slot:
-        if len(self._slots) < _ring_slots():
-            slot = _Slot(self._alloc())
-            self._slots.append(slot)
-        else:
-            slot = self._slots[self._next % len(self._slots)]
-            self._next += 1
-        return slot
-
-
-class _StreamWriter:
-    """Writes tensors back to back, pipelining the stages of each chunk.
-
-    CPU tensors are written straight from their memory (no copy). Device tensors are copied
-    into the :class:`_HostRing`; consecutive small tensors share one buffer (one copy wait
-    and one ``write`` instead of one per tensor), while a large one takes one buffer per
-    chunk. Filled buffers wait in a queue of ``LOOKAHEAD`` before they are written, so the
-    asynchronous copy of the next buffer overlaps the write of this one; crc32s run on the
-    pool; :class:`_Writeback` keeps the disk busy. The bytes written and their crcs are
-    exactly those of the plain chunk-by-chunk loop: the file format is unchanged.
-    """
-
-    LOOKAHEAD = 1
-
-    def __init__(self, f: Any, start: int, n_items: int, crcs: _ChunkCrcs,
-                 writeback: _Writeback, stage_host: bool = False) -> None:
-        self._f, self._pos, self._crcs, self._writeback = f, start, crcs, writeback
-        self._stage_host = stage_host  # tests: run CPU tensors through the ring too
-        self._ring = _HostRing()
-        self._open: Optional[_Slot] = None
-        self._queue: "collections.deque[Any]" = collections.deque()
-        self.crcs: List[List["Union[Future[int], int]"]] = [[] for _ in range(n_items)]
-
-    def add(self, index: int, tensor: torch.Tensor) -> None:
-        flat = tensor.detach().reshape(-1)
-        if flat.numel() == 0:
-            return
-        if flat.dtype == torch.bool:
-            flat = flat.view(torch.uint8)
-        raw = flat.contiguous().view(torch.uint8)
-        if raw.device.type == "cpu" and not self._stage_host:
-            self._close_open()
-            array = raw.numpy()
-            for i in range(0, raw.numel(), CHUNK_BYTES):
-                # nothing asynchronous to overlap: write at once, so a producer's previous
-                # tensor is not held while it makes the next one
-                self._queue.append((index, array[i:i + CHUNK_BYTES]))
-                self._drain(0)
-            return
-        for i in range(0, raw.numel(), CHUNK_BYTES):
-            piece = raw[i:i + CHUNK_BYTES]
-            if self._open is not None and self._open.fill + piece.numel() > CHUNK_BYTES:
-                self._close_open()
-            if self._open is None:
-                self._open = self._acquire()
-            self._open.stage(index, piece)
-
-    def finish(self) -> None:
-        self._close_open()
-        self._drain(0)
-
-    def _acquire(self) -> _Slot:
-        slot = self._ring.acquire()
-        while not slot.written:  # never reached with ring > LOOKAHEAD + 1; kept as a guard
-            self._write_next()
-        slot.reset()
-        return slot
-
-    def _close_open(self) -> None:
-        if self._open is not None:
-            self._open.close()
-            self._queue.append(self._open)
-            self._open = None
-            self._drain(self.LOOKAHEAD)
-
-    def _drain(self, keep: int) -> None:
-        while len(self._queue) > keep:
-            self._write_next()
-
-    def _write_next(self) -> None:
-        unit = self._queue.popleft()
-        if isinstance(unit, _Slot):
-            unit.wait()  # the copies into this buffer are done
-            for index, lo, hi in unit.pieces:
-                crc = self._crcs.submit(unit.array[lo:hi])
-                unit.crcs.append(crc)
-                self.crcs[index].append(crc)
-            self._f.write(unit.array[:unit.fill])
-            self._pos += unit.fill
-            unit.written = True
-        else:
-            index, array = unit
-            self.crcs[index].append(self._crcs.submit(array))
-            self._f.write(array)
-            self._pos += len(array)
-        self._writeback.advance(self._pos)
-
-
-_READ_POOL: Optional[ThreadPoolExecutor] = None
-_READ_POOL_LOCK = threading.Lock()
-
-
-def _read_workers() -> int:
-    """Threads reading the chunks of one tensor: 8 saturate page-cache reads and crc32 on a
-    16-core host without taking every core from the rest of the load."""
-    return max(1, min(8, os.cpu_count() or 2))
-
-
-def _read_pool() -> ThreadPoolExecutor:
-    """A process-wide pool for chunk-parallel reads on load (created on first use)."""
-    global _READ_POOL
-    with _READ_POOL_LOCK:
-        if _READ_POOL is None:
-            _READ_POOL = ThreadPoolExecutor(max_workers=_read_workers(),
-                                            thread_name_prefix="shardwise-read")
-        return _READ_POOL
-
-
-def _readinto_full(f: Any, out: Any) -> int:
-    """Read into all of ``out`` unless the file ends first; the number of bytes read. (A raw
-    file's ``readinto`` is one system call, which may return less than asked.)"""
-    view = memoryview(out).cast("B")
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            break
-        got += n
-    return got
+# The IO pieces live in shardwise.io; these names are the seams the tests patch.
+_SYNC_FILE_RANGE_WRITE = SYNC_FILE_RANGE_WRITE
+_sync_file_range = sync_file_range
+_ring_slots = ring_slots
+_HostRing = HostRing
+_read_workers = read_workers
 
 
 def chunk_crcs(buf) -> List[int]:
     """The per-chunk crc32 list of a byte buffer, as the writer records it."""
-    view = memoryview(buf).cast("B")
-    return [zlib.crc32(view[i:i + CHUNK_BYTES]) for i in range(0, len(view), CHUNK_BYTES)]
+    return _chunk_crcs(buf, CHUNK_BYTES)
 
 
 def _record_io(write_bytes: int = 0, read_bytes: int = 0) -> None:
@@ -555,7 +270,7 @@ def write_safetensors(path: Union[str, Path], items: Sequence[TensorItem],
     """Stream ``items`` into a safetensors file at ``path`` (atomically) and return its record.
 
     The header is computed from the items' shapes first, then each tensor's bytes are written
-    in chunks through :class:`_StreamWriter`, so host memory stays one tensor for producers
+    in chunks through :class:`~shardwise.io.stream_writer.StreamWriter`, so host memory stays one tensor for producers
     plus a few CHUNK_BYTES buffers for device tensors. The record (``size``,
     ``header_crc32``, ``crc_chunk_bytes``, ``tensors``: key → offsets, crc32 per chunk, info)
     goes into the checkpoint's JSON index and is what :class:`SliceFileReader` verifies.
@@ -576,13 +291,16 @@ def write_safetensors(path: Union[str, Path], items: Sequence[TensorItem],
     header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
     header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors pads the header to 8 bytes
     prefix = struct.pack("<Q", len(header_bytes)) + header_bytes
-    crcs = _ChunkCrcs()
+    crcs = ChunkCrcs(_INLINE_CRC_BYTES)
     entries: Dict[str, Any] = {}
     try:
         with atomic_open(path, fsync=fsync) as f:
             f.write(prefix)
-            writer = _StreamWriter(f, len(prefix), len(items), crcs, _Writeback(f, fsync),
-                                   stage_host=_stage_host)
+            # writeback only when the file is to be durable: with fsync=False leave the cache be
+            writeback = Writeback(f, _sync_file_range() if fsync else None, WRITEBACK_BYTES)
+            writer = StreamWriter(f, len(prefix), len(items), crcs, writeback, CHUNK_BYTES,
+                                  stage_host=_stage_host,
+                                  ring=_HostRing(CHUNK_BYTES, _ring_slots()))
             for index, item in enumerate(items):
                 tensor = item.source() if callable(item.source) else item.source
                 if tensor.dtype != item.dtype or tensor.numel() * tensor.element_size() != item.nbytes:
@@ -596,7 +314,7 @@ def write_safetensors(path: Union[str, Path], items: Sequence[TensorItem],
         crcs.close()
     for item, mine in zip(items, writer.crcs):
         entries[item.key] = {"offsets": header[item.key]["data_offsets"],
-                             "crc32": [_crc_value(c) for c in mine],
+                             "crc32": [crc_value(c) for c in mine],
                              "dtype": dtype_to_str(item.dtype), "shape": [int(s) for s in item.shape],
                              **item.info}
     size = len(prefix) + offset
@@ -616,7 +334,7 @@ class SliceFileReader:
     fresh buffer: no mmap (so a file can be replaced on Windows while a reader is alive) and
     no pickle.
 
-    Speed: a tensor of several crc chunks is read chunk-parallel on :func:`_read_pool`, each
+    Speed: a tensor of several crc chunks is read chunk-parallel on :func:`shardwise.io.read_pool.read_pool`, each
     worker reading its chunk straight into its slice of the output buffer and checksumming it
     right away, while it is still in the CPU cache. One thread reading a whole tensor and
     then checksumming it caps at one core's page-fault + copy + crc speed (~1.5 GB/s); file
@@ -628,9 +346,7 @@ class SliceFileReader:
     def __init__(self, path: Union[str, Path], record: Dict[str, Any]) -> None:
         self.path = Path(path)
         self.record = record
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._handles: Optional[List[Any]] = []
+        self._files = ThreadFiles(self.path)
         try:
             actual = self.path.stat().st_size
         except FileNotFoundError:
@@ -640,36 +356,17 @@ class SliceFileReader:
             raise CheckpointError(
                 f"checkpoint file {self.path} has {actual} bytes but its metadata records "
                 f"{record['size']}; the file is truncated or was overwritten. Load an earlier tag.")
-        f = self._handle()
+        f = self._files.get()
         head = bytearray(8)
-        got = _readinto_full(f, head)
+        got = readinto_full(f, head)
         (n,) = struct.unpack("<Q", head) if got == 8 else (-1,)
         body = bytearray(max(n, 0) if n <= actual else 0)
-        got_body = _readinto_full(f, body)
+        got_body = readinto_full(f, body)
         if n < 0 or got_body != n or zlib.crc32(body, zlib.crc32(head)) != record["header_crc32"]:
             self.close()
             raise CheckpointError(f"checkpoint file {self.path}: header checksum mismatch; the file "
                                   "is corrupted. Load an earlier tag.")
         self._data_start = 8 + n
-
-    def _handle(self) -> Any:
-        """This thread's unbuffered handle on the file (reads go straight into our buffers)."""
-        f = getattr(self._local, "f", None)
-        if f is None:
-            with self._lock:
-                if self._handles is None:
-                    raise ValueError(f"SliceFileReader for {self.path} is closed")
-                f = open(self.path, "rb", buffering=0)
-                self._handles.append(f)
-            self._local.f = f
-        return f
-
-    def _read_chunk(self, offset: int, out: Any) -> Tuple[int, int]:
-        """Read ``len(out)`` bytes at file ``offset`` into ``out``: (bytes read, their crc32)."""
-        f = self._handle()
-        f.seek(offset)
-        got = _readinto_full(f, out)
-        return got, zlib.crc32(out[:got])
 
     def read(self, key: str) -> torch.Tensor:
         """The tensor stored under ``key`` (CPU, its saved dtype and shape), verified."""
@@ -683,13 +380,7 @@ class SliceFileReader:
         chunk = int(self.record.get("crc_chunk_bytes", CHUNK_BYTES))
         spans = [(lo, min(lo + chunk, nbytes)) for lo in range(0, nbytes, chunk)]
         offset = self._data_start + begin
-        if len(spans) > 1 and _read_workers() > 1:
-            pool = _read_pool()
-            futures = [pool.submit(self._read_chunk, offset + lo, raw[lo:hi]) for lo, hi in spans]
-            wait(futures)  # all done before anything is raised: none still writes into buf
-            results = [f.result() for f in futures]
-        else:
-            results = [self._read_chunk(offset + lo, raw[lo:hi]) for lo, hi in spans]
+        results = read_spans(self._files.read_at, offset, raw, spans, _read_workers())
         got = sum(n for n, _ in results)
         if got != nbytes:
             raise CheckpointError(f"checkpoint file {self.path}: tensor {key!r} is truncated "
@@ -707,10 +398,7 @@ class SliceFileReader:
         return buf.view(dtype).reshape(entry["shape"])
 
     def close(self) -> None:
-        with self._lock:
-            handles, self._handles = self._handles, None
-        for f in handles or ():
-            f.close()
+        self._files.close()
 
     def __enter__(self) -> "SliceFileReader":
         return self
@@ -721,13 +409,7 @@ class SliceFileReader:
 
 def file_crc32(path: Union[str, Path]) -> int:
     """crc32 of a whole file, streamed (used by :func:`verify_files` and the tests)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(CHUNK_BYTES)
-            if not block:
-                return crc
-            crc = zlib.crc32(block, crc)
+    return _file_crc32(path, CHUNK_BYTES)
 
 
 def file_size(path: Union[str, Path]) -> int:

@@ -19,11 +19,14 @@ from ..accelerator import get_accelerator
 from ..errors import DistributedError
 from ..utils.logging import logger
 from .collectives import all_gather_flat, reduce_scatter_flat
+from .comms_logger import COMMS_LOGGER, CommsLogger
 
 __all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank",
            "barrier", "all_reduce", "broadcast", "all_gather", "all_gather_object",
            "broadcast_object_list", "reduce_scatter_flat", "all_gather_flat", "ReduceOp",
-           "destroy_process_group", "get_backend"]
+           "destroy_process_group", "get_backend", "reduce", "all_gather_into_tensor",
+           "reduce_scatter_tensor", "configure", "log_summary", "reset_log", "has_comm_data",
+           "comms_logger", "CommsLogger"]
 
 
 def _env_int(name: str, default: int) -> int:
@@ -91,31 +94,137 @@ def get_backend(group: Any = None) -> Optional[str]:
     return str(dist.get_backend(group)) if is_initialized() else None
 
 
-def barrier(group: Any = None) -> None:
-    if is_initialized() and dist.get_world_size(group) > 1:
+def _nbytes(tensor: Any) -> int:
+    if isinstance(tensor, (list, tuple)):
+        return sum(_nbytes(t) for t in tensor)
+    return tensor.numel() * tensor.element_size() if torch.is_tensor(tensor) else 0
+
+
+# Each collective below records itself in the comms logger when ``comms_logger`` is on
+# (comms_logger.py); off, the only cost is the ``enabled`` test. ``prof`` and ``log_name``
+# are DeepSpeed's: record this call even when ``prof_all`` is off / under this name.
+
+def barrier(group: Any = None, prof: bool = False, log_name: Optional[str] = None) -> None:
+    if not (is_initialized() and dist.get_world_size(group) > 1):
+        return
+    if not COMMS_LOGGER.enabled:
         dist.barrier(group=group)
+        return
+    COMMS_LOGGER.run("barrier", 0, lambda: dist.barrier(group=group), group, prof, log_name)
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
-               async_op: bool = False):
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+               async_op: bool = False, prof: bool = False, log_name: Optional[str] = None):
+    if not COMMS_LOGGER.enabled:
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return COMMS_LOGGER.run("all_reduce", _nbytes(tensor), lambda: dist.all_reduce(
+        tensor, op=op, group=group, async_op=async_op), group, prof, log_name)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False):
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None,
+           async_op: bool = False, prof: bool = False, log_name: Optional[str] = None):
+    if not COMMS_LOGGER.enabled:
+        return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+    return COMMS_LOGGER.run("reduce", _nbytes(tensor), lambda: dist.reduce(
+        tensor, dst=dst, op=op, group=group, async_op=async_op), group, prof, log_name)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False,
+              prof: bool = False, log_name: Optional[str] = None):
+    if not COMMS_LOGGER.enabled:
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return COMMS_LOGGER.run("broadcast", _nbytes(tensor), lambda: dist.broadcast(
+        tensor, src=src, group=group, async_op=async_op), group, prof, log_name)
 
 
 def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Any = None,
-               async_op: bool = False):
-    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+               async_op: bool = False, prof: bool = False, log_name: Optional[str] = None):
+    if not COMMS_LOGGER.enabled:
+        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    return COMMS_LOGGER.run("all_gather", _nbytes(tensor), lambda: dist.all_gather(
+        tensor_list, tensor, group=group, async_op=async_op), group, prof, log_name)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None,
+                           async_op: bool = False):
+    """DeepSpeed's name for ``all_gather_flat`` (every rank's ``tensor``, in rank order)."""
+    return all_gather_flat(output_tensor, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor,
+                          op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False):
+    """DeepSpeed's name for ``reduce_scatter_flat`` (sum only; ``tensor`` is used as scratch
+    by the fallback)."""
+    if op != ReduceOp.SUM:
+        raise DistributedError(f"reduce_scatter_tensor: only ReduceOp.SUM is supported, got {op}")
+    return reduce_scatter_flat(output_tensor, tensor, group=group, async_op=async_op)
 
 
 def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> None:
-    dist.all_gather_object(object_list, obj, group=group)
+    if not COMMS_LOGGER.enabled:
+        dist.all_gather_object(object_list, obj, group=group)
+        return
+    COMMS_LOGGER.run("all_gather_object", 0,
+                     lambda: dist.all_gather_object(object_list, obj, group=group), group)
 
 
 def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = None) -> None:
-    dist.broadcast_object_list(object_list, src=src, group=group)
+    if not COMMS_LOGGER.enabled:
+        dist.broadcast_object_list(object_list, src=src, group=group)
+        return
+    COMMS_LOGGER.run("broadcast_object_list", 0,
+                     lambda: dist.broadcast_object_list(object_list, src=src, group=group), group)
+
+
+# --- the comms logger's public calls (DeepSpeed's deepspeed.comm names) ------------------------
+comms_logger = COMMS_LOGGER
+
+
+def configure(deepspeed_config: Any = None, enabled: Optional[bool] = None,
+              prof_all: Optional[bool] = None, prof_ops: Optional[List[str]] = None,
+              verbose: Optional[bool] = None, debug: Optional[bool] = None) -> None:
+    """Set the comms logger from a config (its ``comms_logger`` section, when enabled) and/or
+    arguments."""
+    section = getattr(deepspeed_config, "comms_logger", None)
+    if section is not None and section.enabled:
+        COMMS_LOGGER.configure(enabled=section.enabled, verbose=section.verbose,
+                               prof_all=section.prof_all, prof_ops=section.prof_ops,
+                               debug=section.debug)
+    COMMS_LOGGER.configure(enabled=enabled, verbose=verbose, prof_all=prof_all,
+                           prof_ops=prof_ops, debug=debug)
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Optional[dict]:
+    """Print the table of recorded collectives on rank 0 (every rank syncs at a barrier
+    first and after); with ``return_dict`` every rank gets its own numbers back.
+
+    ``show_straggler`` (DeepSpeed: the spread of latencies across ranks) is not computed;
+    it is accepted so DeepSpeed calls run, and says so once."""
+    if show_straggler:
+        from ..utils.logging import warn_once
+        warn_once("comm.log_summary(show_straggler=True): the straggler breakdown is not "
+                  "computed by shardwise; the table shows this rank's latencies")
+    synced = is_initialized() and dist.get_world_size() > 1
+    if synced:
+        dist.barrier()  # not recorded: the table is about the training's collectives
+    if get_rank() == 0:
+        print(COMMS_LOGGER.table(), flush=True)
+    if synced:
+        dist.barrier()
+    if not return_dict:
+        return None
+    return {"summary": COMMS_LOGGER.summary(), "straggler_analysis": None,
+            "metadata": {"world_size": get_world_size(), "rank": get_rank()}}
+
+
+def reset_log() -> None:
+    """Forget every recorded collective."""
+    COMMS_LOGGER.reset_data()
+
+
+def has_comm_data() -> bool:
+    """Whether any collective has been recorded."""
+    return COMMS_LOGGER.has_data()
 
 
 def destroy_process_group(group: Any = None) -> None:

@@ -16,6 +16,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .comms_logger import COMMS_LOGGER
+
 _unsupported: Dict[str, bool] = {}
 
 
@@ -42,15 +44,21 @@ class _Done:
 
 
 class _ThenCopy:
-    """Waits for an all-reduce, then copies this rank's slice out (the reduce-scatter fallback)."""
+    """Waits for an all-reduce, then copies this rank's slice out (the reduce-scatter fallback).
+
+    Waiting twice copies once (the comms logger waits before the caller does)."""
 
     def __init__(self, work, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.work, self.src, self.dst = work, src, dst
+        self.done = False
 
     def wait(self) -> bool:
+        if self.done:
+            return True
         if self.work is not None:
             self.work.wait()
         self.dst.copy_(self.src)
+        self.done = True
         return True
 
 
@@ -71,12 +79,39 @@ def _try_native(name: str, pg, fn, out: torch.Tensor, *args, **kwargs):
             return None
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def reduce_scatter_flat(output: torch.Tensor, input_flat: torch.Tensor,
                         group: Optional[dist.ProcessGroup] = None, async_op: bool = False):
     """Sum ``input_flat`` (length W·n) over ranks; rank r receives elements [r·n, (r+1)·n).
 
-    The fallback all-reduces ``input_flat`` in place (it is scratch for the caller).
+    The fallback all-reduces ``input_flat`` in place (it is scratch for the caller). Logged
+    as ``reduce_scatter_tensor`` of ``input_flat``'s bytes (DeepSpeed's name and size).
     """
+    if not COMMS_LOGGER.enabled:
+        return _reduce_scatter_flat(output, input_flat, group, async_op)
+    return COMMS_LOGGER.run("reduce_scatter_tensor", _nbytes(input_flat),
+                            lambda: _reduce_scatter_flat(output, input_flat, group, async_op),
+                            group)
+
+
+def all_gather_flat(output_flat: torch.Tensor, input_chunk: torch.Tensor,
+                    group: Optional[dist.ProcessGroup] = None, async_op: bool = False):
+    """Concatenate every rank's ``input_chunk`` into ``output_flat`` (length W·n), in rank order.
+
+    Logged as ``all_gather_into_tensor`` of ``input_chunk``'s bytes (DeepSpeed's name and size).
+    """
+    if not COMMS_LOGGER.enabled:
+        return _all_gather_flat(output_flat, input_chunk, group, async_op)
+    return COMMS_LOGGER.run("all_gather_into_tensor", _nbytes(input_chunk),
+                            lambda: _all_gather_flat(output_flat, input_chunk, group, async_op),
+                            group)
+
+
+def _reduce_scatter_flat(output: torch.Tensor, input_flat: torch.Tensor,
+                         group: Optional[dist.ProcessGroup], async_op: bool):
     world = dist.get_world_size(group)
     native = _native("reduce_scatter")
     work = None
@@ -97,9 +132,8 @@ def reduce_scatter_flat(output: torch.Tensor, input_flat: torch.Tensor,
     return result
 
 
-def all_gather_flat(output_flat: torch.Tensor, input_chunk: torch.Tensor,
-                    group: Optional[dist.ProcessGroup] = None, async_op: bool = False):
-    """Concatenate every rank's ``input_chunk`` into ``output_flat`` (length W·n), in rank order."""
+def _all_gather_flat(output_flat: torch.Tensor, input_chunk: torch.Tensor,
+                     group: Optional[dist.ProcessGroup], async_op: bool):
     world = dist.get_world_size(group)
     native = _native("all_gather")
     if native is not None:

@@ -12,6 +12,7 @@ from .models import (ActivationCheckpointingConfig, AioConfig, BF16Config, Check
                      CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                      TorchAutocastConfig, WindowsSpecificConfig)
 from .platform_keys import platform_key_notes
+from .profiling import CommsLoggerConfig, FlopsProfilerConfig
 from .shardwise_config import ShardwiseConfig
 from .zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
@@ -21,4 +22,5 @@ __all__ = [
     "OffloadParamConfig", "FP16Config", "BF16Config", "TorchAutocastConfig", "OptimizerConfig",
     "SchedulerConfig", "ActivationCheckpointingConfig", "CheckpointConfig", "AioConfig",
     "DataTypesConfig", "WindowsSpecificConfig", "CompileConfig",
+    "FlopsProfilerConfig", "CommsLoggerConfig",
 ]

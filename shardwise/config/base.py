@@ -57,7 +57,8 @@ class ConfigModel(BaseModel):
 
     ``aliases`` maps an alternative JSON spelling to the canonical field name. ``inert``
     names fields we accept for compatibility but do not act on; the walker warns when a
-    user sets one of them to something other than its default.
+    user sets one of them to something other than its default. ``deepspeed_only`` names
+    DeepSpeed keys without a field here (dropped with a note).
     """
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True, use_attribute_docstrings=True,
@@ -65,6 +66,9 @@ class ConfigModel(BaseModel):
 
     aliases: ClassVar[Dict[str, str]] = {}
     inert: ClassVar[Dict[str, str]] = {}
+    deepspeed_only: ClassVar[Dict[str, str]] = {}
+    """DeepSpeed keys of this section that shardwise has no field for, with the reason: the
+    walker drops them with one note (never an unknown key, never a typo error)."""
 
     @classmethod
     def rewrite_raw(cls, raw: Any, path: str, notes: list) -> Any:

@@ -11,13 +11,6 @@ from typing import Any, Dict, List
 
 #: key -> why it has no effect in shardwise (and what to use instead).
 IGNORED_SECTIONS: Dict[str, str] = {
-    "tensorboard": "shardwise does not write monitor events; log engine metrics with your own "
-                   "SummaryWriter",
-    "wandb": "shardwise does not write monitor events; call wandb.log yourself",
-    "csv_monitor": "shardwise does not write monitor events; log engine metrics yourself",
-    "comet": "shardwise does not write monitor events; log engine metrics yourself",
-    "flops_profiler": "use torch.profiler or torch.utils.flop_counter.FlopCounterMode",
-    "comms_logger": "use TORCH_DISTRIBUTED_DEBUG=DETAIL or torch.profiler to see collectives",
     "autotuning": "there is no autotuner; use `shardwise report` and the memory estimators",
     "elasticity": "batch sizes come from train_batch_size / train_micro_batch_size_per_gpu / "
                   "gradient_accumulation_steps; the launcher's elastic agent restarts jobs",
@@ -42,7 +35,6 @@ IGNORED_SECTIONS: Dict[str, str] = {
     "fp32_allreduce": "use \"communication_data_type\": \"fp32\"",
     "sparse_gradients": "gradients are always reduced densely",
     "vocabulary_size": "only used by DeepSpeed for a tensor-core alignment hint",
-    "dataloader_drop_last": "shardwise does not build your DataLoader; pass drop_last to it",
     "seq_parallel_communication_data_type": "sequence parallelism is not implemented",
     "sequence_parallel_size": "sequence parallelism is not implemented",
     "use_data_before_expert_parallelism": "expert (MoE) parallelism is not implemented",
@@ -51,7 +43,8 @@ IGNORED_SECTIONS: Dict[str, str] = {
                        "(sharded by ZeRO)",
     "inference": "shardwise is a training engine; the inference config is not used",
     "checkpoint_engine": "checkpoints are always written by shardwise's own writer",
-    "monitor_config": "shardwise does not write monitor events",
+    "monitor_config": "DeepSpeed builds it internally; configure the \"tensorboard\", "
+                      "\"csv_monitor\", \"wandb\" and \"comet\" sections instead",
 }
 
 

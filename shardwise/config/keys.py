@@ -5,7 +5,11 @@ The walk, guided by the section models' fields:
   ``bfloat16`` -> ``bf16``) and rejects two spellings of one key with different values;
 * removes every ``"auto"`` value and records its dotted path, so the field takes its
   default now and ``resolve_auto`` can refine it later (the batch keys, bucket sizes, lr);
-* records unknown keys with their full dotted path and the nearest valid key;
+* records unknown keys with their full dotted path and the nearest valid key; an unknown
+  key within a few edits of a key of its own section (``stag``, ``zero_optimisation``) is
+  recorded as a typo, which the loader turns into an error: a misspelt key must not
+  silently leave its setting at the default;
+* drops DeepSpeed keys that shardwise has no field for (``deepspeed_only``) with a note;
 * notes keys that are accepted but inert when set to a non-default value.
 
 Doing this outside pydantic keeps the models plain and lets one walk report *every*
@@ -31,6 +35,8 @@ class WalkReport:
 
     unknown: List[Tuple[str, Optional[str]]] = field(default_factory=list)
     """(dotted key, suggested dotted key or None) for every key no section knows."""
+    typos: List[Tuple[str, str, int]] = field(default_factory=list)
+    """(dotted key, the known dotted key it is a misspelling of, edit distance)."""
     auto_paths: Set[str] = field(default_factory=set)
     """Dotted paths (canonical names) whose value was "auto"."""
     notes: List[str] = field(default_factory=list)
@@ -75,6 +81,22 @@ def strip_auto(value: Any, path: str, report: WalkReport) -> Any:
     return out
 
 
+def _unknown_key(key: str, path: str, model: Type[ConfigModel], root: Type[ConfigModel],
+                 report: WalkReport) -> None:
+    """Record a key ``model`` has no field for: a DeepSpeed key we do not use, a typo of a
+    key of this section, or a key unknown here (maybe known in another section)."""
+    dotted = _join(path, key)
+    if key in model.deepspeed_only:
+        report.notes.append(f"Config key '{dotted}' is a DeepSpeed key with no effect in "
+                            f"shardwise: {model.deepspeed_only[key]}.")
+        return
+    typo = misspelling_of(key, model)
+    if typo is not None:
+        report.typos.append((dotted, _join(path, typo[0]), typo[1]))
+        return
+    report.unknown.append((dotted, suggest(key, path, model, root)))
+
+
 def known_paths(model: Type[ConfigModel], path: str = "") -> List[str]:
     """Every dotted key the schema accepts (canonical names and aliases), for suggestions."""
     paths = []
@@ -107,6 +129,39 @@ def suggest(key: str, path: str, model: Type[ConfigModel], root: Type[ConfigMode
     return leaves[close[0]] if close else None
 
 
+def edit_distance(a: str, b: str) -> int:
+    """Edits (insert, delete, substitute, swap two neighbours) that turn ``a`` into ``b``."""
+    prev2: List[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cost = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cost = min(cost, prev2[j - 2] + 1)
+            cur.append(cost)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def typo_limit(key: str) -> int:
+    """Edits a key may be away from a known key to count as its misspelling: 2, or 1 for
+    keys of 5 characters or fewer (two edits turn any short word into many others)."""
+    return 1 if len(key) <= 5 else 2
+
+
+def misspelling_of(key: str, model: Type[ConfigModel]) -> Optional[Tuple[str, int]]:
+    """The known key of ``model``'s section that ``key`` is a misspelling of, with the
+    distance; None when no key is within ``typo_limit``. Case alone counts as one edit."""
+    known = list(model.model_fields) + list(model.aliases) + list(model.deepspeed_only)
+    limit = typo_limit(key)
+    # letters compared without case; a key that differs only in case is one edit away
+    best = min(((max(edit_distance(key.lower(), k.lower()), 1), k) for k in known), default=None)
+    if best is None or best[0] > limit:
+        return None
+    return best[1], best[0]
+
+
 def normalize(raw: Any, model: Type[ConfigModel], report: WalkReport, path: str = "",
               root: Optional[Type[ConfigModel]] = None) -> Any:
     """Return ``raw`` with canonical key names, no "auto" values and no unknown keys."""
@@ -121,7 +176,7 @@ def normalize(raw: Any, model: Type[ConfigModel], report: WalkReport, path: str 
     for key, value in raw.items():
         key = str(key)
         if key not in accepted:
-            report.unknown.append((_join(path, key), suggest(key, path, model, root)))
+            _unknown_key(key, path, model, root, report)
             continue
         name = accepted[key]
         dotted = _join(path, name)
@@ -145,3 +200,19 @@ def normalize(raw: Any, model: Type[ConfigModel], report: WalkReport, path: str 
         out[name] = value
         spelled[name] = key
     return out
+
+
+def _unknown_key(key: str, path: str, model: Type[ConfigModel], root: Type[ConfigModel],
+                 report: WalkReport) -> None:
+    """Record a key ``model`` has no field for: a DeepSpeed key we do not use, a typo of a
+    key of this section, or a key unknown here (maybe known in another section)."""
+    dotted = _join(path, key)
+    if key in model.deepspeed_only:
+        report.notes.append(f"Config key '{dotted}' is a DeepSpeed key with no effect in "
+                            f"shardwise: {model.deepspeed_only[key]}.")
+        return
+    typo = misspelling_of(key, model)
+    if typo is not None:
+        report.typos.append((dotted, _join(path, typo[0]), typo[1]))
+        return
+    report.unknown.append((dotted, suggest(key, path, model, root)))

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 from pydantic import ValidationError
 
 from shardwise.errors import ConfigError
-from shardwise.utils.logging import warn_once
+from shardwise.utils.logging import info_once, warn_once
 
 from .auto import fill_peak_lr
 from .base import ConfigModel
@@ -27,10 +27,12 @@ from .batch import resolve_batch
 from .ignored import ignored_section_notes
 from .jsonc import load_file, loads
 from .keys import WalkReport, nested_model, normalize
-from .platform_keys import platform_key_notes
+from .platform_keys import on_windows, platform_key_notes
 from .shardwise_config import ShardwiseConfig
 
 STRICT_ENV = "SHARDWISE_STRICT_CONFIG"
+TYPOS_ENV = "SHARDWISE_ALLOW_CONFIG_TYPOS"
+"""Set to 1 to only warn about misspelt keys (by default they are an error)."""
 _HOW_TO_PASS = ("Pass a config: shardwise.initialize(..., config=\"ds_config.json\") or config={...}, "
                 "or on the command line --deepspeed_config ds_config.json (with "
                 "shardwise.add_config_arguments(parser)).")
@@ -196,6 +198,21 @@ def _unknown_key_notes(report: WalkReport, strict: bool) -> List[str]:
     return notes
 
 
+def _typo_notes(report: WalkReport) -> List[str]:
+    """Misspelt keys: an error (every one listed) unless $SHARDWISE_ALLOW_CONFIG_TYPOS is set,
+    then one warning each. Either way the misspelt key is not used."""
+    if not report.typos:
+        return []
+    lines = [f"'{key}' is not a config key; it is {dist} edit{'s' if dist > 1 else ''} from "
+             f"'{known}'" for key, known, dist in report.typos]
+    if os.environ.get(TYPOS_ENV, "").strip().lower() in _TRUE:
+        return [f"Misspelt config key (ignored): {line}." for line in lines]
+    raise ConfigError(
+        "Misspelt config key" + ("s" if len(lines) > 1 else "") + ": " + "; ".join(lines)
+        + ". A misspelt key would silently leave its setting at the default, so this is an "
+        f"error: fix the spelling (or set {TYPOS_ENV}=1 to ignore such keys with a warning).")
+
+
 def _check_offload_param_stage(cfg: ShardwiseConfig, strict: bool, notes: List[str]) -> None:
     zero = cfg.zero_optimization
     if zero.offload_param is None or zero.stage == 3:
@@ -219,13 +236,15 @@ def load_config(config: Any = None, *, args: Any = None, config_params: Any = No
     legacy name for it; ``args``: argparse Namespace with ``deepspeed_config`` or
     ``shardwise_config``; ``world_size``: data-parallel ranks, used for the batch triple;
     ``strict``: unknown keys raise (None: the config's ``strict_config`` or
-    ``$SHARDWISE_STRICT_CONFIG``). Warnings go to the "shardwise" logger and
+    ``$SHARDWISE_STRICT_CONFIG``). A key a few edits from a key of its section is a typo
+    and raises whatever ``strict`` says (``$SHARDWISE_ALLOW_CONFIG_TYPOS=1``: a warning). Warnings go to the "shardwise" logger and
     ``cfg.warnings``.
     """
     raw = _to_dict(_pick_source(config, args, config_params))
     report = WalkReport()
     clean = normalize(raw, ShardwiseConfig, report)
     strict_on = _strict_mode(strict, clean)
+    typos = _typo_notes(report)
     unknown = _unknown_key_notes(report, strict_on)
     if strict_on and unknown:
         raise ConfigError("Strict config: " + " ".join(unknown) + " Fix or remove these keys "
@@ -237,14 +256,17 @@ def load_config(config: Any = None, *, args: Any = None, config_params: Any = No
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = \
         resolve_batch(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                       cfg.gradient_accumulation_steps, world_size)
-    notes = unknown + report.notes
+    notes = typos + unknown + report.notes
     _check_offload_param_stage(cfg, strict_on, notes)
     notes += ignored_section_notes(clean)
     cfg._world_size = world_size
     cfg._auto_paths = frozenset(report.auto_paths)
     fill_peak_lr(cfg)
-    notes += platform_key_notes(cfg)
-    cfg._notes = notes
+    infos: List[str] = []
+    (notes if on_windows() else infos).extend(platform_key_notes(cfg))
+    cfg._notes, cfg._infos = notes, infos
     for note in notes:
         warn_once(note)
+    for info in infos:
+        info_once(info)
     return cfg

@@ -13,16 +13,20 @@ from pydantic import Field, field_serializer, field_validator, model_validator
 
 from shardwise.errors import ConfigError
 
+from .aio import AioConfig  # noqa: F401  (re-exported: the section lives in aio.py)
 from .base import ConfigModel, canonical_dtype_name, lowered, torch_dtype_of
 
 
 class FP16Config(ConfigModel):
     """``fp16``: half-precision training with DeepSpeed's dynamic loss scaler."""
 
+    inert = {"fp16_master_weights_and_grads": "master weights and gradients are always fp32"}
+
     enabled: bool = False
     """Train with fp16 weights/activations and fp32 master weights."""
     auto_cast: bool = False
-    """Cast the module's floating-point inputs to fp16 before forward."""
+    """DeepSpeed key; no effect: with fp16 (or bf16) enabled the engine always casts the
+    module's floating-point inputs to the compute dtype before forward."""
     loss_scale: float = 0.0
     """Static loss scale; 0 means dynamic loss scaling."""
     initial_scale_power: int = 16
@@ -36,11 +40,20 @@ class FP16Config(ConfigModel):
     min_loss_scale: float = 1.0
     """The dynamic scale never goes below this."""
     fp16_master_weights_and_grads: bool = False
-    """Keep master weights and gradients in fp16 (DeepSpeed allows this with ZeRO-2 only)."""
+    """DeepSpeed key; accepted, no effect (warns when true): master weights and gradients
+    are always fp32."""
 
 
 class BF16Config(ConfigModel):
     """``bf16`` (also spelled ``bfloat16``): bfloat16 training, no loss scaling needed."""
+
+    deepspeed_only = {
+        "immediate_grad_update": "gradients always accumulate in fp32 buffers "
+                                 "(data_types.grad_accum_dtype chooses otherwise)",
+        "check_grad_overflow": "bf16 runs never skip a step for overflow",
+        "bf16_master_weights_and_grads": "master weights and gradients are always fp32",
+        "bf16_optimizer_states": "optimizer states are always fp32",
+    }
 
     enabled: bool = False
     """Train with bf16 weights/activations and fp32 master weights."""
@@ -49,13 +62,16 @@ class BF16Config(ConfigModel):
 class TorchAutocastConfig(ConfigModel):
     """``torch_autocast``: run forward under ``torch.autocast`` with fp32 weights."""
 
+    inert = {"lower_precision_safe_modules": "gradients are reduced in communication_data_type "
+                                             "(default fp32) for every module"}
+
     enabled: bool = False
     """Wrap forward in ``torch.autocast(device_type, dtype)``."""
     dtype: torch.dtype = torch.bfloat16
     """Autocast's lower-precision dtype ("bf16"/"fp16" or a torch name); a ``torch.dtype``."""
     lower_precision_safe_modules: Optional[List[str]] = None
-    """Module class names (e.g. "torch.nn.Linear") whose parameters may be communicated in
-    the lower precision; None means DeepSpeed's default (Linear and Conv layers)."""
+    """DeepSpeed key; accepted, no effect (warns when set): gradients are reduced in
+    communication_data_type (default: the gradient buffers' fp32) for every module."""
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -137,18 +153,24 @@ class ActivationCheckpointingConfig(ConfigModel):
 class CheckpointConfig(ConfigModel):
     """``checkpoint``: how ``save_checkpoint``/``load_checkpoint`` behave."""
 
+    inert = {"use_node_local_storage": "save_dir must be reachable by every rank (a shared "
+                                       "filesystem across nodes)"}
+
     tag_validation: Literal["Warn", "Ignore", "Fail"] = "Warn"
     """Check that every rank saves under the same tag: warn, ignore, or raise (case-insensitive)."""
     use_node_local_storage: bool = False
-    """Each node writes to its own local disk (rank-local files), no shared filesystem needed."""
+    """DeepSpeed key; accepted, no effect (warns when true): save_dir must be one folder every
+    rank can reach (a shared filesystem on several nodes); see docs/checkpoint.md."""
     load_universal: bool = False
-    """Load a universal (world-size independent) checkpoint; shardwise checkpoints always are."""
+    """DeepSpeed key; no effect: every shardwise checkpoint loads at any world size and stage
+    (it is "universal" already)."""
     async_save: bool = False
     """Write checkpoint files in a background thread after copying tensors to CPU."""
     parallel_write: Dict[str, Any] = Field(default_factory=dict)
-    """DeepSpeed's ``{"pipeline_stage": bool}``; accepted for compatibility."""
+    """DeepSpeed's ``{"pipeline_stage": bool}``; accepted, no effect (no pipeline stages)."""
     windows_path_optimization: bool = False
-    """Seed key; no effect: shardwise always uses pathlib and ':'-free file names."""
+    """Seed key; no effect on any platform: shardwise always uses pathlib and ':'-free file
+    names."""
 
     @field_validator("tag_validation", mode="before")
     @classmethod
@@ -158,30 +180,10 @@ class CheckpointConfig(ConfigModel):
         return value
 
 
-class AioConfig(ConfigModel):
-    """``aio``: the asynchronous file IO used by NVMe offload and checkpoint writing."""
-
-    block_size: int = 1048576
-    """Bytes per read/write request."""
-    queue_depth: int = 8
-    """Requests in flight per thread."""
-    intra_op_parallelism: int = 1
-    """Threads that split one tensor's IO."""
-    single_submit: bool = False
-    """Submit requests one at a time instead of in batches."""
-    overlap_events: bool = True
-    """Overlap submitting new requests with waiting for finished ones."""
-    thread_count: int = 1
-    """IO worker threads."""
-    use_gds: bool = False
-    """GPUDirect Storage; needs NVIDIA's cuFile, so shardwise falls back to host IO."""
-    windows_io_optimization: bool = False
-    """Seed key; no effect: shardwise's IO uses Python threads with positioned reads/writes
-    that behave the same on NTFS and POSIX filesystems."""
-
-
 class DataTypesConfig(ConfigModel):
     """``data_types``: dtypes of internal buffers."""
+
+    deepspeed_only = {"param_dtype": "the parameter dtype follows fp16.enabled / bf16.enabled"}
 
     grad_accum_dtype: Optional[str] = None
     """Dtype of the gradient accumulation buffer ("fp32"/"fp16"/"bf16"); None: the parameter dtype
@@ -198,11 +200,13 @@ class WindowsSpecificConfig(ConfigModel):
 
     enable: bool = False
     """Acknowledged, changes nothing: shardwise's Windows behaviour (spawn start method, gloo,
-    pathlib paths) is always on under Windows and never needed elsewhere."""
+    pathlib paths) is always on under Windows and never needed elsewhere (no effect there,
+    logged once at info level)."""
     memory_optimization: Literal["none", "normal", "aggressive"] = "none"
-    """"aggressive": the engine empties the device allocator cache after every optimizer step
-    (lower peak reserved memory, notably under Windows' WDDM driver, at some speed cost).
-    "normal" and "none" leave the caching allocator alone."""
+    """"aggressive", on Windows: the engine empties the device allocator cache after every
+    optimizer step (lower peak reserved memory under Windows' WDDM driver, at some speed
+    cost). "normal" and "none" leave the caching allocator alone. No effect on other
+    platforms (logged once at info level)."""
 
     _lower = field_validator("memory_optimization", mode="before")(
         classmethod(lambda cls, value: lowered(value)))
@@ -215,6 +219,7 @@ DEEPCOMPILE_KEYS = (
     "double_buffer", "symmetric_memory", "debug_log", "dump_graphs", "offload_parameters",
     "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather",
     "keep_int_input_tensors", "keep_all_input_tensors", "passes", "autoep_non_moe",
+    "offload_activation_pin_memory",
 )
 
 

@@ -16,12 +16,25 @@ from .base import ConfigModel, canonical_dtype_name, torch_dtype_of
 from .models import (ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig,
                      CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig,
                      TorchAutocastConfig, WindowsSpecificConfig)
+from .monitor import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+from .profiling import CommsLoggerConfig, FlopsProfilerConfig
 from .zero import ZeroConfig
 
 class ShardwiseConfig(ConfigModel):
     """A validated DeepSpeed-compatible training config."""
 
     aliases = {"bfloat16": "bf16"}
+    inert = {
+        "dump_state": "initialize() logs the resolved stage, dtype and batch sizes in one line",
+        "prescale_gradients": "gradients are always divided by gradient_predivide_factor before "
+                              "the reduction and by world_size / factor after it",
+    }
+    deepspeed_only = {
+        "gradient_allreduce_op": "reduced gradients are always averaged over the ranks",
+        "managed_gradient_accumulation": "the engine owns the accumulation boundary (see "
+                                         "engine.set_gradient_accumulation_boundary)",
+        "log_level": "set the level of the \"shardwise\" logger (SHARDWISE_LOG_LEVEL)",
+    }
 
     # --- batch --------------------------------------------------------------------------
     train_batch_size: Optional[int] = None
@@ -37,24 +50,30 @@ class ShardwiseConfig(ConfigModel):
     wall_clock_breakdown: bool = False
     """Time forward/backward/step separately and log the breakdown."""
     dump_state: bool = False
-    """Log the engine's resolved state after initialisation."""
+    """DeepSpeed key; accepted, no effect (warns when true): ``initialize()`` logs the stage,
+    dtype, world size and batch triple in one line anyway."""
     gradient_clipping: float = Field(0.0, ge=0.0)
     """Clip gradients to this global L2 norm; 0 = off (PyTorch's and DeepSpeed < 0.19.6's default;
     DeepSpeed 0.19.6+ defaults to 1.0, we keep 0 so nothing clips unless asked). "auto": 0."""
     prescale_gradients: bool = False
-    """Divide gradients by gradient_predivide_factor before the reduction instead of after."""
+    """DeepSpeed key; accepted, no effect (warns when true): gradients are always divided by
+    gradient_predivide_factor before the reduction and by world_size / factor after it."""
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
-    """Pre-division factor used with prescale_gradients (avoids fp16 overflow in the sum)."""
+    """Gradients are divided by this before the reduction and by world_size / factor after it
+    (a factor > 1 keeps fp16 sums from overflowing)."""
     communication_data_type: Optional[str] = None
     """Dtype of gradient reductions: "fp32" | "fp16" | "bf16" (torch names accepted);
     None: the gradients' own dtype."""
     seed: Optional[int] = None
-    """Ours: if set, the engine seeds torch/random/numpy with it at initialisation."""
+    """Ours: seed of the shuffling of the data loaders the engine builds
+    (``initialize(training_data=...)``, ``engine.deepspeed_io()``); None means 0. It does not
+    seed torch, random or numpy: do that in your script."""
     memory_breakdown: bool = False
-    """Log accelerator memory use at each step print."""
+    """DeepSpeed key; no effect: every ``steps_per_print`` line already shows peak device
+    memory (GPU) and the host RSS."""
     zero_allow_untested_optimizer: bool = True
-    """Allow ZeRO with a client optimizer that is not a known type (DeepSpeed defaults to False;
-    shardwise's ZeRO treats every torch optimizer the same way)."""
+    """DeepSpeed key; no effect: ZeRO accepts every torch optimizer (DeepSpeed defaults to
+    False and refuses untested client optimizers)."""
     strict_config: bool = False
     """Ours: unknown keys (and offload_param with stage < 3) are errors instead of warnings."""
 
@@ -78,26 +97,26 @@ class ShardwiseConfig(ConfigModel):
     """Checkpoint save/load options."""
     aio: AioConfig = Field(default_factory=AioConfig)
     """Asynchronous file IO options (NVMe offload, checkpoints)."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """Profile one training step's flops, params and latency (shardwise.profiling)."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """Time and size every collective (shardwise.comm.log_summary())."""
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     """Dtypes of internal buffers."""
     windows_specific: WindowsSpecificConfig = Field(default_factory=WindowsSpecificConfig)
     """The seed article's Windows section (see platform_keys.py)."""
     compile: CompileConfig = Field(default_factory=CompileConfig)
     """torch.compile of the model at initialize() (runtime/compile.py applies it)."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor events (shardwise.monitor)."""
+    csv_monitor: CSVConfig = Field(default_factory=CSVConfig)
+    """CSV monitor: one file per tag (shardwise.monitor)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases monitor (shardwise.monitor)."""
+    comet: CometConfig = Field(default_factory=CometConfig)
+    """Comet monitor (shardwise.monitor)."""
 
     # --- accepted, kept verbatim, no effect (reasons in ignored.py) ----------------------
-    tensorboard: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    wandb: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    csv_monitor: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    comet: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    flops_profiler: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    comms_logger: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     autotuning: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     elasticity: Any = None
@@ -140,8 +159,9 @@ class ShardwiseConfig(ConfigModel):
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     vocabulary_size: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
-    dataloader_drop_last: Any = None
-    """Accepted, kept verbatim, no effect (reason in ignored.py)."""
+    dataloader_drop_last: Optional[bool] = None
+    """The data loaders the engine builds (``initialize(training_data=...)``,
+    ``engine.deepspeed_io()``) drop the last incomplete batch when true."""
     seq_parallel_communication_data_type: Any = None
     """Accepted, kept verbatim, no effect (reason in ignored.py)."""
     sequence_parallel_size: Any = None
@@ -162,11 +182,19 @@ class ShardwiseConfig(ConfigModel):
     _world_size: int = PrivateAttr(default=1)
     _auto_paths: FrozenSet[str] = PrivateAttr(default_factory=frozenset)
     _notes: List[str] = PrivateAttr(default_factory=list)
+    _infos: List[str] = PrivateAttr(default_factory=list)
 
-    @field_validator("compile", mode="before")
+    @field_validator("compile", "tensorboard", "csv_monitor", "wandb", "comet", mode="before")
     @classmethod
     def _null_compile(cls, value: Any) -> Any:
-        # "compile": null (or false) is DeepSpeed's "no compile section": the defaults, off.
+        # "compile": null (or false) is DeepSpeed's "no section": the defaults, off (same for
+        # the monitor sections).
+        return {} if value is None or value is False else value
+
+    @field_validator("flops_profiler", "comms_logger", mode="before")
+    @classmethod
+    def _null_section(cls, value: Any) -> Any:
+        # a section given as null (or false) is no section: the defaults, off
         return {} if value is None or value is False else value
 
     @field_validator("communication_data_type", mode="before")
@@ -201,6 +229,12 @@ class ShardwiseConfig(ConfigModel):
         return list(self._notes)
 
     @property
+    def infos(self) -> List[str]:
+        """Every info-level text load_config logged for this config (e.g. the seed's Windows
+        keys on another platform), in order."""
+        return list(self._infos)
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """Dtype of the module's weights and activations: fp16, bf16, else fp32 (torch_autocast
         keeps fp32 weights and lowers precision per op, so it is fp32 here too)."""
@@ -217,9 +251,10 @@ class ShardwiseConfig(ConfigModel):
 
     @property
     def empty_cache_after_step(self) -> bool:
-        """True when windows_specific.memory_optimization is "aggressive": the engine empties the
-        allocator cache after each optimizer step."""
-        return self.windows_specific.memory_optimization == "aggressive"
+        """True on Windows when windows_specific.memory_optimization is "aggressive": the engine
+        empties the allocator cache after each optimizer step (elsewhere the key has no effect)."""
+        from .platform_keys import on_windows
+        return self.windows_specific.memory_optimization == "aggressive" and on_windows()
 
     # --- methods -------------------------------------------------------------------------
     def resolve_auto(self, hidden_size: Optional[int] = None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from shardwise.errors import ConfigError
 
@@ -22,20 +22,28 @@ class OffloadOptimizerConfig(ConfigModel):
     """``zero_optimization.offload_optimizer``: fp32 master weights and optimizer states live
     on the CPU (or NVMe) and the optimizer step runs on the CPU. Valid with stages 1-3."""
 
+    deepspeed_only = {
+        "super_offload": "SuperOffload is not implemented",
+        "cpuadam_cores_perc": "there is no DeepSpeedCPUAdam; SHARDWISE_OFFLOAD_THREADS sets the "
+                              "CPU step's threads",
+    }
+
     device: OffloadDevice = "none"
-    """Where optimizer states live: "none" (accelerator), "cpu" or "nvme"."""
+    """Where optimizer states live: "none" (accelerator) or "cpu"; "nvme" loads but
+    ``initialize()`` refuses it (NVMe offload is not implemented)."""
     nvme_path: Optional[str] = None
-    """Directory for the swap files when device is "nvme"."""
+    """NVMe swap directory; required with device "nvme" (which initialize refuses: NVMe
+    offload is not implemented)."""
     pin_memory: bool = False
     """Use page-locked CPU buffers: faster, asynchronous host<->device copies, more RAM locked."""
     buffer_count: int = Field(4, ge=0)
-    """Swap buffers for NVMe offload (at least the states per parameter; Adam has 4)."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     pipeline_read: bool = False
-    """NVMe: overlap reading the next sub-group with computing the current one."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     pipeline_write: bool = False
-    """NVMe: overlap writing the previous sub-group with computing the current one."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     fast_init: bool = False
-    """NVMe: skip writing initial states through the swapper (faster start)."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of optimizer states offloaded (the rest stay on the accelerator). DeepSpeed
     allows < 1.0 with stage 3 only."""
@@ -66,17 +74,18 @@ class OffloadParamConfig(ConfigModel):
     Valid with stage 3 only."""
 
     device: OffloadDevice = "none"
-    """Where partitioned parameters live: "none" (accelerator), "cpu" or "nvme"."""
+    """Where partitioned parameters live: "none" (accelerator) or "cpu"; "nvme" loads but
+    ``initialize()`` refuses it (NVMe offload is not implemented)."""
     nvme_path: Optional[str] = None
-    """Directory for the swap files when device is "nvme"."""
+    """NVMe swap directory; required with device "nvme" (which initialize refuses)."""
     pin_memory: bool = False
     """Use page-locked CPU buffers for the parameter partitions."""
     buffer_count: int = Field(5, ge=0)
-    """NVMe: buffers in the parameter swap pool."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     buffer_size: int = Field(100_000_000, ge=0)
-    """NVMe: elements per swap buffer."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
     max_in_cpu: int = Field(1_000_000_000, ge=0)
-    """NVMe: parameter elements kept in CPU memory."""
+    """NVMe key; no effect (NVMe offload is not implemented)."""
 
     @field_validator("device", mode="before")
     @classmethod
@@ -121,30 +130,47 @@ class ZeroConfig(ConfigModel):
         "pipeline_loading_checkpoint": "pipeline parallelism is not implemented",
         "legacy_stage1": "there is one stage-1 implementation",
         "elastic_checkpoint": "shardwise checkpoints load at any world size anyway",
+        "round_robin_gradients": "gradient copies to the CPU are not spread over ranks",
+        "module_granularity_threshold": "every module is its own stage-3 fetch unit",
+        "use_all_reduce_for_fetch_params": "stage 3 always fetches parameters with all-gather",
+        "ignore_unused_parameters": "shardwise never checks for parameters without a gradient",
+    }
+    deepspeed_only = {
+        "zenflow": "ZenFlow is not implemented (offload_optimizer.delayed_update is the "
+                   "one-step delayed CPU update)",
+        "allgather_sequential": "stage 3 gathers are always bucketed",
+        "stage3_allgather_sequential": "stage 3 gathers are always bucketed",
+        "zeropp_loco_param": "ZeRO++ (LoCo) is not implemented",
+        "log_trace_cache_warnings": "the stage-3 trace is re-recorded silently when it changes",
+        "enable_sanity_checks": "DeepSpeed's stage-3 sanity checks are not implemented",
+        "save_muon_momentum_buffer_in_memory": "there is no Muon optimizer",
+        "leaf_module": "leaf modules are not implemented; stage 3 hooks every module",
     }
 
     stage: int = 0
     """0 disabled (plain data parallel), 1 optimizer states, 2 + gradients, 3 + parameters."""
     contiguous_gradients: bool = True
-    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    """DeepSpeed key; no effect: gradients always go into flat, bucketed buffers."""
     overlap_comm: Optional[bool] = None
     """Overlap gradient reduction with backward. Unset: True for stage 3, False otherwise."""
     reduce_scatter: bool = True
-    """Reduce gradients with reduce-scatter (each rank gets its partition) instead of all-reduce."""
+    """DeepSpeed key; no effect: stages 2-3 always reduce-scatter, stages 0-1 all-reduce."""
     reduce_bucket_size: int = Field(500_000_000, ge=0)
     """Gradient elements reduced per collective ("auto": hidden_size**2)."""
     allgather_partitions: bool = True
-    """Gather updated parameters with all-gather (True) or a series of broadcasts (False)."""
+    """DeepSpeed key; no effect: updated partitions are always all-gathered."""
     allgather_bucket_size: int = Field(500_000_000, ge=0)
-    """Parameter elements all-gathered per collective after the step (stages 1-2)."""
+    """DeepSpeed key; no effect: stages 1-2 all-gather the updated parameters bucket by
+    bucket, in the buckets of reduce_bucket_size."""
     round_robin_gradients: bool = False
-    """Stages 1-2 with CPU offload: spread gradient copies to the CPU over ranks."""
+    """DeepSpeed key; accepted, no effect (warns when true)."""
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     """Optimizer state offload; see its keys."""
     offload_param: Optional[OffloadParamConfig] = None
     """Parameter offload (stage 3 only); see its keys."""
     sub_group_size: int = Field(1_000_000_000, ge=0)
-    """Elements per optimizer sub-group (tile) stepped at once under offload."""
+    """DeepSpeed key; no effect: offloaded optimizer steps go bucket by bucket (stages 1-2)
+    or parameter by parameter (stage 3)."""
     prefetch_bucket_size: int = Field(50_000_000, ge=0)
     """Stage 3: parameter elements prefetched ahead of use ("auto": 0.9 * hidden_size**2)."""
     param_persistence_threshold: int = Field(100_000, ge=0)
@@ -158,13 +184,16 @@ class ZeroConfig(ConfigModel):
     gather_16bit_weights_on_model_save: bool = False
     """Stage 3: gather full weights for ``save_16bit_model()``."""
     module_granularity_threshold: int = Field(0, ge=0)
-    """Stage 3: treat modules with fewer parameters than this as one fetch unit (0: off)."""
+    """DeepSpeed stage-3 key; accepted, no effect (warns when set): every module is its own
+    fetch unit."""
     use_all_reduce_for_fetch_params: bool = False
-    """Stage 3: fetch parameters with all-reduce instead of all-gather."""
+    """DeepSpeed stage-3 key; accepted, no effect (warns when true): parameters are always
+    fetched with all-gather."""
     elastic_checkpoint: bool = False
     """DeepSpeed legacy key; shardwise checkpoints are elastic anyway."""
     ignore_unused_parameters: bool = True
-    """Do not fail when some parameters get no gradient in a step."""
+    """DeepSpeed key; no effect (warns when false): shardwise never checks for parameters
+    that got no gradient in a step."""
     legacy_stage1: bool = False
     """DeepSpeed legacy key; accepted, no effect."""
     mics_shard_size: int = -1
@@ -217,6 +246,11 @@ class ZeroConfig(ConfigModel):
     @field_validator("stage", mode="before")
     @classmethod
     def _stage_in_range(cls, value: Any) -> Any:
+        if isinstance(value, str):  # "2", " 2 ", "2.0": pydantic's lax int parsing, as DeepSpeed
+            try:
+                value = TypeAdapter(int).validate_python(value)
+            except ValidationError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value not in (0, 1, 2, 3):
             raise ConfigError(
                 f"zero_optimization.stage = {value!r} is not a ZeRO stage. Valid stages are 0 "

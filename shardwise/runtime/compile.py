@@ -182,7 +182,8 @@ def _agree(ok: bool, device: torch.device, group: Optional[dist.ProcessGroup]) -
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
                         device=device if dist.get_backend(group) != "gloo" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    from ..comm import all_reduce
+    all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 

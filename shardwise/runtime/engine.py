@@ -14,20 +14,27 @@ import torch
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
-from ..comm import get_local_rank
+from ..comm import all_reduce, configure as configure_comms_logger, get_local_rank
+from ..profiling.engine_profile import EngineProfile
 from ..config import ShardwiseConfig
 from ..errors import ConfigError, ZeroError
 from ..utils.logging import log_dist
 from ..zero.shard_view import ShardView
-from .step_logger import StepLogger, Timers
+from ..monitor import DeviceScalar, EngineTimers, MonitorMaster
+from ..monitor.throughput import FlopsModel
+from .step_logger import StepInfo, StepLogger, momentum_of
+from .deepspeed_compat import DeepSpeedCompatMixin
+from .deepspeed_unsupported import UNSUPPORTED_ATTRIBUTES, unsupported_error
 from .zero_optimizer import ZeroOptimizer
 
 
-class ShardwiseEngine(torch.nn.Module):
+class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
     """DeepSpeed's ``DeepSpeedEngine`` surface over a ZeRO strategy.
 
     Attribute access that the engine does not define falls through to the wrapped module,
-    so ``engine.generate(...)`` or ``engine.config_class`` work as they do on the model.
+    so ``engine.generate(...)`` or ``engine.config_class`` work as they do on the model;
+    DeepSpeed engine names shardwise lacks raise UnsupportedFeatureError first
+    (docs/engine_api.md).
     """
 
     def __init__(self, *, module: torch.nn.Module, config: ShardwiseConfig,
@@ -60,15 +67,26 @@ class ShardwiseEngine(torch.nn.Module):
         self._autocast_dtype = (config.torch_autocast.dtype if config.torch_autocast.enabled
                                 else None)
         self._compute_dtype = config.compute_dtype
-        self.timers = Timers(bool(config.wall_clock_breakdown))
-        self.step_logger = StepLogger(config.steps_per_print, self.train_batch_size(), self.timers)
+        # reporting (runtime/step_logger.py, shardwise/monitor): DeepSpeed's engine.monitor
+        self.timers = EngineTimers(bool(config.wall_clock_breakdown), get_accelerator().synchronize)
+        self.monitor = MonitorMaster.from_config(config, rank=self.global_rank)
+        self.step_logger = StepLogger(
+            steps_per_print=config.steps_per_print, samples_per_step=self.train_batch_size(),
+            world_size=self.world_size, timers=self.timers, monitor=self.monitor,
+            rank=self.global_rank, flops=FlopsModel.of(module), device=device)
         self._empty_cache_after_step = bool(getattr(config, "empty_cache_after_step", False))
+        self._init_deepspeed_compat()
+        configure_comms_logger(config)  # the comms_logger section (shardwise/comm)
+        self._profile = EngineProfile(self)  # the flops_profiler section (shardwise/profiling)
+        self.flops_profiler = self._profile.profiler  # DeepSpeed's attribute (None when off)
 
     # --- attribute fall-through ------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name in UNSUPPORTED_ATTRIBUTES:  # a DeepSpeed name: never the module's namesake
+                raise unsupported_error(name, call=False) from None
             module = super().__getattr__("module")
             return getattr(module, name)
 
@@ -83,6 +101,8 @@ class ShardwiseEngine(torch.nn.Module):
         return int(self.config.gradient_accumulation_steps)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:  # set_gradient_accumulation_boundary()
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def zero_optimization_stage(self) -> int:
@@ -102,12 +122,13 @@ class ShardwiseEngine(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
-        self.timers.start("forward")
+        self.step_logger.record_batch(args, kwargs)
+        self.timers.start("fwd")
         ctx = (torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
                if self._autocast_dtype is not None else contextlib.nullcontext())
-        with ctx:
+        with ctx, self._profile.forward():
             out = self.module(*args, **kwargs)
-        self.timers.stop("forward")
+        self.timers.stop("fwd")
         return out
 
     # --- backward ------------------------------------------------------------------------------
@@ -131,11 +152,15 @@ class ShardwiseEngine(torch.nn.Module):
             scaled = scaled / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.cur_scale
-        self.timers.start("backward")
+        self.timers.start("bwd")
         self.strategy.before_backward(boundary)
+        self.timers.start("bwd_inner")
         scaled.backward(retain_graph=retain_graph)
+        self.timers.stop("bwd_inner")
+        self.timers.start("bwd_allreduce")
         self.strategy.after_backward(boundary)
-        self.timers.stop("backward")
+        self.timers.stop("bwd_allreduce")
+        self.timers.stop("bwd")
         return loss
 
     @contextlib.contextmanager
@@ -163,15 +188,26 @@ class ShardwiseEngine(torch.nn.Module):
                               "initialize() or add an \"optimizer\" section to the config")
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
+        self._profile.step_begin()
         if boundary:
             self.timers.start("step")
             self._take_optimizer_step(lr_kwargs)
             self.timers.stop("step")
             self.global_samples += self.train_batch_size()
-            lrs = self.get_lr()
-            scale = self.loss_scaler.cur_scale if self.loss_scaler is not None else None
-            self.step_logger.on_step(self.global_steps, lrs, scale, self.skipped_steps)
+            self.step_logger.on_step(self._step_info())
         self.micro_steps += 1
+        self._profile.step_end(boundary)
+
+    def _step_info(self) -> StepInfo:
+        """What the step logger and the monitors report after an optimizer step."""
+        norm = self._global_grad_norm
+        return StepInfo(
+            global_steps=self.global_steps, global_samples=self.global_samples,
+            micro_steps=self.micro_steps + 1, lrs=self.get_lr(),
+            moms=momentum_of(self.optimizer.param_groups),
+            loss_scale=self.loss_scaler.cur_scale if self.loss_scaler is not None else None,
+            skipped=self.skipped_steps,
+            grad_norm=DeviceScalar(norm, self._norm_ready) if norm is not None else None)
 
     def _take_optimizer_step(self, lr_kwargs: Optional[dict]) -> None:
         grads = self.strategy.master_grads()
@@ -202,7 +238,7 @@ class ShardwiseEngine(torch.nn.Module):
         flag = (torch.stack(flags).any().float() if flags else torch.zeros((), device=self.device))
         flag = flag.to(self.device)
         if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+            all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
         return bool(flag.item())
 
     def _grad_factor(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -224,7 +260,7 @@ class ShardwiseEngine(torch.nn.Module):
             sumsq = (torch.stack(norms).square().sum() if norms
                      else torch.zeros((), device=self.device))
             if self.strategy.grads_partitioned and self.world_size > 1:
-                dist.all_reduce(sumsq, group=self.dp_group)
+                all_reduce(sumsq, group=self.dp_group)
             norm = sumsq.sqrt() * inv
         self._global_grad_norm = norm
         self._norm_ready = ready
@@ -315,6 +351,7 @@ class ShardwiseEngine(torch.nn.Module):
         engine's hooks from the module (DeepSpeed's ``engine.destroy()``)."""
         from ..checkpoint.async_save import wait_pending
         wait_pending(self)
+        self.monitor.close()
         if self.strategy is not None:
             self.strategy.flush()
             remove = getattr(self.strategy, "remove_hooks", None)

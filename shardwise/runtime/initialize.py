@@ -115,7 +115,7 @@ def _build_strategy(cfg: ShardwiseConfig, model: torch.nn.Module, groups, frozen
                           f"(got ratio {oo.ratio}); the delayed update applies to the whole optimizer")
     if offload == "nvme":
         raise ConfigError("zero_optimization.offload_optimizer.device \"nvme\" is not supported "
-                          "for stages 0-2; use \"cpu\" (stage 3 offloads to NVMe)")
+                          "(NVMe offload is not implemented in shardwise); use \"cpu\"")
     if offload == "cpu" and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs stage >= 1 (got stage 0); set "
                           "\"stage\": 1 or 2")
@@ -207,7 +207,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
             training_data, batch_size=engine.train_micro_batch_size_per_gpu(), rank=rank,
             world_size=world, collate_fn=collate_fn,
             num_workers=getattr(effects, "dataloader_num_workers", None),
-            pin_memory=getattr(effects, "pin_memory", None), seed=cfg.seed or 0)
+            pin_memory=getattr(effects, "pin_memory", None), seed=cfg.seed or 0,
+            drop_last=bool(cfg.dataloader_drop_last))
     _configure_activation_checkpointing(cfg, model)
     if cfg.compile.enabled:  # after checkpointing wrapped the blocks, so it is compiled with them
         engine.compile()

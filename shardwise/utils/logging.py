@@ -51,3 +51,12 @@ def warn_once(message: str, _seen: set = set()) -> None:
     _seen.add(message)
     if _rank() == 0:
         logger.warning(message)
+
+
+def info_once(message: str, _seen: set = set()) -> None:
+    """Log at info level the first time a given message is seen in this process (rank 0 only)."""
+    if message in _seen:
+        return
+    _seen.add(message)
+    if _rank() == 0:
+        logger.info(message)

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_flat, reduce_scatter_flat
+from ..comm import all_gather_flat, all_reduce, broadcast, reduce_scatter_flat
 from ..offload.optimizer_offload import OptimizerOffload
 from .flat_buckets import Bucket, ParamSlot, build_bucket, grad_view, plan_buckets
 from .shard_view import ShardView
@@ -204,7 +204,7 @@ class DataParallelStrategy(ZeroStrategy):
             bucket.comm_buf.copy_(src)
             src = bucket.comm_buf
         if not self.partitioned:
-            bucket.work = dist.all_reduce(src, group=self.group, async_op=True)
+            bucket.work = all_reduce(src, group=self.group, async_op=True)
         else:
             # a separate output chunk: the input must stay intact while the collective runs
             out = bucket.extra.get("rs_out")
@@ -338,7 +338,7 @@ class DataParallelStrategy(ZeroStrategy):
                     for b in self.buckets:
                         all_gather_flat(b.param_buf, b.param_buf[b.lo:b.hi], group=self.group)
                 for _, p in self.frozen:
-                    dist.broadcast(p.data, src=_global_rank(self.group, 0), group=self.group)
+                    broadcast(p.data, src=_global_rank(self.group, 0), group=self.group)
 
     def no_sync_allowed(self) -> Optional[str]:
         return None

@@ -32,7 +32,7 @@ def test_device_tensors_write_the_bytes_of_their_host_copies(tmp_path, monkeypat
     pinned = []
     real_alloc = fmt._HostRing._alloc
     monkeypatch.setattr(fmt._HostRing, "_alloc",
-                        staticmethod(lambda: (lambda t: pinned.append(t.is_pinned()) or t)(real_alloc())))
+                        staticmethod(lambda n: (lambda t: pinned.append(t.is_pinned()) or t)(real_alloc(n))))
     lazy = {k: (lambda v=v: v.clone()) for k, v in tensors.items()}  # temporaries, freed after use
     dev_items = [TensorItem(k, v.dtype, list(v.shape), lazy[k]) for k, v in tensors.items()]
     dev = write_safetensors(tmp_path / "dev.safetensors", dev_items)

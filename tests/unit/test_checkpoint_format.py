@@ -288,7 +288,7 @@ def test_ring_pipeline_writes_the_same_bytes_and_crcs(tmp_path, monkeypatch):
     allocated = []
     real_alloc = fmt._HostRing._alloc
     monkeypatch.setattr(fmt._HostRing, "_alloc",
-                        staticmethod(lambda: allocated.append(1) or real_alloc()))
+                        staticmethod(lambda n: allocated.append(1) or real_alloc(n)))
     ring = write_safetensors(tmp_path / "ring.safetensors", items, _stage_host=True)
     assert (tmp_path / "ring.safetensors").read_bytes() == (tmp_path / "direct.safetensors").read_bytes()
     assert ring == direct
@@ -307,7 +307,7 @@ def test_host_tensors_are_written_from_their_own_memory(tmp_path, monkeypatch):
     from shardwise.checkpoint import format as fmt
     value = torch.arange(1000, dtype=torch.float32)
     monkeypatch.setattr(fmt._HostRing, "_alloc",
-                        staticmethod(lambda: pytest.fail("a CPU-only save allocated ring buffers")))
+                        staticmethod(lambda n: pytest.fail("a CPU-only save allocated ring buffers")))
     seen = []
     real_open = fmt.atomic_open
 

@@ -118,16 +118,13 @@ def test_missing_file_names_absolute_path(tmp_path, monkeypatch):
 
 # --- unknown keys and strict mode ------------------------------------------------------------
 def test_unknown_keys_warn_with_dotted_path_and_suggestion():
-    cfg = load_config({"zero_optimizaton": {"stage": 2},
-                       "zero_optimization": {"stag": 1, "offload_optimizer": {"devic": "cpu"}},
-                       "stage": 3, "fp16": {"enabeld": True}})
+    # keys a few edits from a key of their section are typos: an error (tests/unit/test_config_typos.py)
+    cfg = load_config({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+                       "stage": 3, "optimiser_settings": {"lr": 1}})
     warnings = "\n".join(cfg.warnings)
-    assert "'zero_optimizaton' (ignored). Did you mean 'zero_optimization'?" in warnings
-    assert "'zero_optimization.stag' (ignored). Did you mean 'zero_optimization.stage'?" in warnings
-    assert ("'zero_optimization.offload_optimizer.devic' (ignored). Did you mean "
-            "'zero_optimization.offload_optimizer.device'?") in warnings
     assert "'stage' (ignored). Did you mean 'zero_optimization.stage'?" in warnings  # wrong section
-    assert cfg.zero_optimization.stage == 0 and cfg.fp16.enabled is False  # ignored, not guessed
+    assert "Unknown config key 'optimiser_settings' (ignored)." in warnings
+    assert cfg.zero_optimization.stage == 1  # ignored, not guessed
 
 
 def test_unknown_key_warning_reaches_the_shardwise_logger():

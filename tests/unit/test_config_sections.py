@@ -121,12 +121,16 @@ def test_optimizer_and_scheduler_keep_type_and_params():
 
 def test_ignored_sections_are_fields_kept_verbatim_and_warn_once_each():
     assert set(IGNORED_SECTIONS) <= set(ShardwiseConfig.model_fields)
-    raw = {"tensorboard": {"enabled": True, "output_path": "runs"}, "flops_profiler": {"enabled": True},
-           "zero_force_ds_cpu_optimizer": True, "amp": {"enabled": False}, "wandb": {"enabled": False}}
+    raw = {"autotuning": {"enabled": True, "results_dir": "runs"}, "elasticity": {"enabled": True},
+           "zero_force_ds_cpu_optimizer": True, "amp": {"enabled": False},
+           "flops_profiler": {"enabled": True}, "comms_logger": {"enabled": True}}
     cfg = load_config(raw)
-    assert cfg.tensorboard == {"enabled": True, "output_path": "runs"}
+    assert cfg.autotuning == {"enabled": True, "results_dir": "runs"}
     warned = [name for name in IGNORED_SECTIONS if any(f"'{name}'" in w for w in cfg.warnings)]
-    assert warned == ["tensorboard", "flops_profiler", "zero_force_ds_cpu_optimizer"]  # off ones stay quiet
+    assert warned == ["autotuning", "elasticity", "zero_force_ds_cpu_optimizer"]  # off ones stay quiet
+    # flops_profiler and comms_logger are real sections now (shardwise.profiling, shardwise.comm)
+    assert cfg.flops_profiler.enabled and cfg.comms_logger.enabled
+    assert not any("flops_profiler" in w or "comms_logger" in w for w in cfg.warnings)
 
 
 def test_inert_zero_key_set_to_non_default_warns():
