@@ -26,7 +26,7 @@ from .generation import resolve
 from .loading import load_into
 from .quant import quantize_linears
 from .tp import TPPlan, make_plan
-from .zero_inference import place_model
+from .zero_inference import attach, host_device, place_model
 
 
 def _device(plan: TPPlan) -> torch.device:
@@ -60,7 +60,8 @@ class InferenceEngine(nn.Module):
         self.device = _device(self.plan)
         self.dtype = _compute_dtype(config, model, self.device)
         if config.checkpoint is not None:
-            load_into(model, config.checkpoint, config.base_dir, self.device, self.dtype)
+            load_into(model, config.checkpoint, config.base_dir, host_device(config, self.device),
+                      self.dtype)
         model = place_model(model.eval(), config, self.device, self.dtype)
         self.dtype = self.dtype or next(model.parameters()).dtype
         if config.int8:
@@ -70,6 +71,7 @@ class InferenceEngine(nn.Module):
         self.fast_path_reason: Optional[str] = None
         if config.replace_with_kernel_inject or self.plan.active:
             self.rebuild_fast_path()
+        self.streamer = attach(model, self.decoder, config, self.device, self.dtype)
         self.stats: Dict[str, float] = {"build_s": time.perf_counter() - start}
 
     # --- the fast path -------------------------------------------------------------------

@@ -1,41 +1,95 @@
-"""The ZeRO-Inference seam: where ``zero.stage = 3`` + ``offload_param`` will place weights.
+"""ZeRO-Inference: ``zero.stage = 3`` + ``offload_param`` in an ``init_inference`` config.
 
-ZeRO-Inference (parameters partitioned over ranks and offloaded to CPU/NVMe, streamed to
-the device layer by layer during generation) is the next issue; it will stand on stage 3's
-placement layer without an optimizer. Until it exists, every inference config goes through
-``place_model`` here: it puts the whole model on the inference device and, when the config
-asks for parameter offload, says once that the offload is not applied yet. Replacing this
-one function is all the engine needs to gain ZeRO-Inference.
+The weights of the decoder layers live off the device (pinned host memory, or NVMe swap files
+through ``shardwise.io``), optionally group-quantized to int8/int4 (``weight_quantization``),
+and are streamed to the device one layer at a time with a prefetch window
+(``streaming.LayerStreamer``); small persistent tensors, the embeddings and the LM head stay on
+the device. The section is read under DeepSpeed's inference key ``zero`` or the seed article's
+``zero_optimization``. See docs/zero_inference.md.
+
+The engine calls two functions here:
+
+* ``place_model(model, cfg, device, dtype)`` before the fast path is built: without parameter
+  offload the whole model goes to ``device``; with it the model stays on the host (in
+  ``dtype``), so the fast path fuses its projections there;
+* ``attach(model, decoder, cfg, device, dtype)`` once the module is final (int8, fast path):
+  builds the ``LayerStreamer`` (None without parameter offload).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from shardwise.utils.logging import warn_once
+from shardwise.errors import ConfigError
+from shardwise.utils.logging import log_dist
 
 from .config import InferenceConfig
+from .streaming import LayerStreamer, StreamSettings
 
 
-def offload_note(cfg: InferenceConfig) -> Optional[str]:
-    """The one-time warning for a ZeRO-Inference config (None when the config has none)."""
-    if not cfg.wants_param_offload:
-        return None
-    off = cfg.zero.offload_param
-    return (f"zero.stage = 3 with offload_param.device = \"{off.device}\" asks for ZeRO-Inference "
-            f"(weights offloaded and streamed per layer); it comes with the ZeRO-Inference "
-            f"feature and is not applied yet: the whole model is placed on the inference device. "
-            f"Remove zero/zero_optimization from the inference config to silence this.")
+def host_device(cfg: InferenceConfig, device: torch.device) -> torch.device:
+    """Where weights are loaded/placed before streaming starts (the host with offload)."""
+    return torch.device("cpu") if cfg.wants_param_offload else device
+
+
+def _check(cfg: InferenceConfig) -> None:
+    if cfg.tp_size > 1:
+        raise ConfigError(f"zero.offload_param (ZeRO-Inference) with tensor_parallel.tp_size = "
+                          f"{cfg.tp_size} is not supported: use tp_size 1 with offload, or drop "
+                          f"offload_param to run AutoTP.")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError(f"zero.offload_param (ZeRO-Inference) runs on one process here; this job "
+                          f"has {dist.get_world_size()} ranks. Sharded streaming (each rank "
+                          f"streams 1/N and all-gathers) is not implemented yet: launch one "
+                          f"process, or drop offload_param.")
+    if cfg.zero.offload_param.device == "nvme" and not cfg.zero.offload_param.nvme_path:
+        raise ConfigError("zero.offload_param.device is \"nvme\" but nvme_path is not set.")
+
+
+def settings_from(cfg: InferenceConfig) -> StreamSettings:
+    """The streaming settings a config asks for."""
+    z, off = cfg.zero, cfg.zero.offload_param
+    return StreamSettings(
+        persistence_threshold=int(z.param_persistence_threshold),
+        max_live_parameters=int(z.max_live_parameters),
+        prefetch_bucket_size=int(z.prefetch_bucket_size),
+        quant=cfg.weight_quantization.spec(),
+        nvme_path=off.nvme_path if off.device == "nvme" else None,
+        pin_memory=bool(off.pin_memory) or off.device == "nvme",
+        aio_kwargs=cfg.aio.handle_kwargs(),
+        rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
 
 
 def place_model(model: nn.Module, cfg: InferenceConfig, device: torch.device,
                 dtype: Optional[torch.dtype]) -> nn.Module:
-    """Put ``model`` where inference runs (today: all of it on ``device``, in ``dtype``)."""
-    note = offload_note(cfg)
-    if note:
-        warn_once(note)
+    """Put ``model`` where inference runs: on ``device``, or on the host for ZeRO-Inference."""
+    if cfg.wants_param_offload:
+        _check(cfg)
+    elif cfg.weight_quantization.quantized_initialization is not None:
+        raise ConfigError("weight_quantization.quantized_initialization quantizes the weights "
+                          "ZeRO-Inference streams; it needs \"zero\": {\"stage\": 3, "
+                          "\"offload_param\": {\"device\": \"cpu\" or \"nvme\"}}. For int8 "
+                          "weights on the device use \"dtype\": \"int8\".")
     if dtype is not None:
         model = model.to(dtype=dtype)
-    return model.to(device)
+    return model.to(host_device(cfg, device))
+
+
+def attach(model: nn.Module, decoder: Optional[nn.Module], cfg: InferenceConfig,
+           device: torch.device, dtype: torch.dtype) -> Optional[LayerStreamer]:
+    """Start streaming ``model``'s decoder layers (None without parameter offload)."""
+    if not cfg.wants_param_offload:
+        return None
+    if decoder is not None:  # hooks run in Python: the decode step stays eager
+        decoder._step, decoder._graphs = decoder.step, False
+    streamer = LayerStreamer(model, decoder, device, settings_from(cfg), dtype)
+    quant = streamer.settings.quant
+    log_dist(f"ZeRO-Inference: {len(streamer.images)} layers streamed from "
+             f"{cfg.zero.offload_param.device}"
+             f"{f' as int{quant.num_bits} (groups of {quant.group_size})' if quant else ''}, "
+             f"{streamer.bytes_per_pass / 2**20:.1f} MiB per forward pass, prefetch window "
+             f"{streamer.window}")
+    return streamer
