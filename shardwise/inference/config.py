@@ -360,6 +360,7 @@ def load_inference_config(config: Any = None, **kwargs: Any) -> InferenceConfig:
     raw = merge_kwargs(_source_dict(config), kwargs)
     report = WalkReport()
     clean = normalize(raw, InferenceConfig, report)
+    report.unknown.extend((dotted, known) for dotted, known, _ in report.typos)  # misspelt: errors too
     if report.unknown:
         lines = []
         for dotted, suggestion in report.unknown:
