@@ -70,7 +70,8 @@ def build_model(torch: Any, size: str) -> Any:
     """Random-init bf16 Llama on the host, built without a float32 copy."""
     import shardwise
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(max_position_embeddings=4096, **SIZES[size])
+    cfg = LlamaConfig(max_position_embeddings=4096, eos_token_id=None, bos_token_id=None,
+                      pad_token_id=None, **SIZES[size])
     with shardwise.OnDevice(dtype=torch.bfloat16, device="meta"):
         model = LlamaForCausalLM(cfg)
     gen = torch.Generator().manual_seed(0)
@@ -81,6 +82,7 @@ def build_model(torch: Any, size: str) -> Any:
             value = torch.empty(p.shape, dtype=torch.bfloat16)
             value.fill_(1.0) if p.dim() == 1 else value.normal_(0, 0.02, generator=gen)
             module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
+    model.generation_config.eos_token_id = None  # random weights: every row runs all tokens
     return model.eval()
 
 
@@ -129,21 +131,27 @@ def make_engine(torch: Any, model: Any, variant: str, max_tokens: int, nvme: str
     raise SystemExit(f"unknown variant {variant}")
 
 
+def _sync(torch: Any) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(torch: Any, engine: Any, ids: Any, new: int) -> float:
-    torch.cuda.synchronize()
+    _sync(torch)
     start = time.perf_counter()
     engine.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                     min_new_tokens=new, do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
+    _sync(torch)
     return time.perf_counter() - start
 
 
 def measure(args: argparse.Namespace, size: str, variant: str, batch: int) -> Dict[str, Any]:
     import torch
-    if args.mem_cap_gib:
+    if args.mem_cap_gib and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.mem_cap_gib * 2**30 / total))
-    gbps = h2d_gbps(torch)
+    cuda = torch.cuda.is_available()
+    gbps = h2d_gbps(torch) if cuda else float("nan")  # CPU smoke runs: no PCIe numbers
     start = time.perf_counter()
     model = build_model(torch, size)
     bf16_layers = layer_bytes(model)
@@ -152,16 +160,17 @@ def measure(args: argparse.Namespace, size: str, variant: str, batch: int) -> Di
     streamer = getattr(engine, "streamer", None)
     step_bytes = streamer.bytes_per_pass if streamer is not None else bf16_layers
     ids = torch.randint(3, SIZES[size]["vocab_size"], (batch, args.prompt),
-                        generator=torch.Generator().manual_seed(1)).cuda()
+                        generator=torch.Generator().manual_seed(1)).to("cuda" if cuda else "cpu")
     _timed(torch, engine, ids, 2)  # warm-up
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t1 = _timed(torch, engine, ids, 1)
     tn = _timed(torch, engine, ids, args.new)
     steps_s = (args.new - 1) / max(tn - t1, 1e-9)
     row = dict(size=size, variant=variant, batch=batch, tok_s=batch * steps_s, steps_s=steps_s,
                prefill_s=t1, step_mb=step_bytes / 1e6, h2d_gbps=gbps,
                pcie_fraction=steps_s * step_bytes / (gbps * 1e9),
-               peak_gib=torch.cuda.max_memory_allocated() / 2**30, build_s=build_s)
+               peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, build_s=build_s)
     if streamer is not None:
         row["window"] = streamer.window
         streamer.close()

@@ -93,3 +93,39 @@ def attach(model: nn.Module, decoder: Optional[nn.Module], cfg: InferenceConfig,
              f"{streamer.bytes_per_pass / 2**20:.1f} MiB per forward pass, prefetch window "
              f"{streamer.window}")
     return streamer
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    import psutil
+    return int(psutil.virtual_memory().available)
+
+
+def bytes_per_sequence(config: object, prompt_tokens: int, new_tokens: int,
+                       dtype: torch.dtype) -> int:
+    """Device bytes one more sequence costs: its static KV cache (cache length rounded up
+    to 128 as the fast path does) plus the prefill's largest activations and fp32 logits."""
+    from .decode import ROUND
+    hidden = int(getattr(config, "hidden_size"))
+    heads = int(getattr(config, "num_attention_heads"))
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    layers = int(getattr(config, "num_hidden_layers"))
+    inter = int(getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", 4 * hidden))
+    vocab = int(getattr(config, "vocab_size"))
+    size = torch.empty((), dtype=dtype).element_size()
+    length = -(-(prompt_tokens + new_tokens) // ROUND) * ROUND
+    cache = 2 * layers * kv_heads * head_dim * length * size
+    prefill = prompt_tokens * (4 * hidden + 3 * inter + (heads + 2 * kv_heads) * head_dim) * size
+    return cache + prefill + 2 * vocab * 4
+
+
+def auto_batch_size(engine: nn.Module, prompt_tokens: int, new_tokens: int,
+                    headroom: float = 0.9) -> int:
+    """The largest batch whose KV cache and activations fit next to the streamed model
+    (ZeRO-Inference's ``max_batch_size="auto"``): free device memory now (slots and resident
+    weights already allocated) x ``headroom`` / ``bytes_per_sequence``; at least 1."""
+    per_seq = bytes_per_sequence(engine.module.config, prompt_tokens, new_tokens, engine.dtype)
+    return max(1, int(_free_bytes(engine.device) * headroom) // per_seq)

@@ -164,3 +164,19 @@ def test_meta_model_loaded_from_checkpoint_streams(tmp_path):
     assert eng.streamer is not None and not any(p.is_meta for p in eng.module.parameters())
     out = eng.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=1)
     assert torch.equal(out, ref)
+
+
+def test_auto_batch_size_fills_free_memory_and_runs(monkeypatch):
+    from shardwise.inference import zero_inference as zi
+    m = model("llama")
+    eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", replace_with_kernel_inject=True,
+                                   zero_optimization=zero(m), max_out_tokens=256)
+    per_seq = zi.bytes_per_sequence(m.config, 16, 8, torch.float32)
+    assert per_seq >= 2 * 3 * 2 * 16 * 128 * 4  # the KV cache of 3 layers, 2 KV heads, 128 slots
+    monkeypatch.setattr(zi, "_free_bytes", lambda device: 10 * per_seq)
+    batch = zi.auto_batch_size(eng, 16, 8)
+    assert batch == 9
+    ids = torch.randint(3, VOCAB, (batch, 16), generator=torch.Generator().manual_seed(0))
+    out = eng.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=1)
+    ref = m.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=1)
+    assert torch.equal(out, ref)
