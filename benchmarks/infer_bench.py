@@ -13,6 +13,7 @@ table comes last.
     python benchmarks/infer_bench.py                       # everything the issue lists
     python benchmarks/infer_bench.py --sizes 1.1b --batches 1 --variants sw_inject,hf_static
     python benchmarks/infer_bench.py --sizes 7b --batches 8 --out rows.json   # split runs add up
+    python benchmarks/infer_bench.py --merge rows_a.json rows_b.json             # one table
     python benchmarks/infer_bench.py --device cpu --sizes tiny --batches 1 --new 8 --prompt 16 \
         --variants hf_eager,sw_eager,sw_inject                       # CPU smoke run
 
@@ -201,6 +202,11 @@ def print_tables(rows: List[Dict[str, Any]]) -> None:
               f"{_ratio(rows, r, 'ds'):>12} {_ratio(rows, r, 'sw_inject'):>12}")
 
 
+def _sorted(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    return sorted(rows, key=lambda r: (r["size"], r["batch"], order.get(r["variant"], 99)))
+
+
 def print_int8_accuracy(rows: List[Dict[str, Any]]) -> None:
     for r in rows:
         if "ppl_int8" in r:
@@ -221,8 +227,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--timeout", type=int, default=600, help="seconds per child process")
     p.add_argument("--out", default=None, help="JSON file of rows: read first, rows of this run "
                                                "replace or join them, the table covers all")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="print the tables of rows saved by earlier runs (--out files); run nothing")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.merge:
+        rows = [row for path in args.merge for row in json.loads(Path(path).read_text())]
+        print_int8_accuracy(rows)
+        print_tables(_sorted(rows))
+        return 0
     sizes, variants = args.sizes.split(","), args.variants.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     if args.child:
@@ -240,10 +253,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if out is not None:  # saved after every row, so split or cut-off runs add up
                     out.write_text(json.dumps(rows, indent=1))
                 print(json.dumps(row), flush=True)
-    order = {v: i for i, v in enumerate(VARIANTS)}
-    rows.sort(key=lambda r: (r["size"], r["batch"], order.get(r["variant"], 99)))
     print_int8_accuracy(rows)
-    print_tables(rows)
+    print_tables(_sorted(rows))
     return 0
 
 

@@ -39,9 +39,11 @@ IGNORED_SECTIONS: Dict[str, str] = {
     "sequence_parallel_size": "sequence parallelism is not implemented",
     "use_data_before_expert_parallelism": "expert (MoE) parallelism is not implemented",
     "expert_parallel": "expert (MoE) parallelism is not implemented",
-    "tensor_parallel": "tensor parallelism is not implemented; every rank holds the whole model "
+    "tensor_parallel": "training has no tensor parallelism (AutoTP is inference-only: "
+                       "shardwise.init_inference); every rank holds the whole model "
                        "(sharded by ZeRO)",
-    "inference": "shardwise is a training engine; the inference config is not used",
+    "inference": "initialize() does not read it; pass inference settings to "
+                 "shardwise.init_inference (docs/inference.md)",
     "checkpoint_engine": "checkpoints are always written by shardwise's own writer",
     "monitor_config": "DeepSpeed builds it internally; configure the \"tensorboard\", "
                       "\"csv_monitor\", \"wandb\" and \"comet\" sections instead",

@@ -120,15 +120,23 @@ def _head(model: nn.Module) -> nn.Module:
     return head
 
 
-_MATH_SWITCHES = ("final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar",
-                  "embedding_multiplier", "logits_scaling", "alibi", "use_alibi",
-                  "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn")
+#: config switches that change the math, with the values that leave it unchanged.
+_MATH_SWITCHES = {"final_logit_softcapping": (None, 0, 0.0), "attn_logit_softcapping": (None, 0, 0.0),
+                  "query_pre_attn_scalar": (None,), "embedding_multiplier": (None, 1, 1.0),
+                  "logits_scaling": (None, 1, 1.0), "alibi": (None, False), "use_alibi": (None, False),
+                  "scale_attn_by_inverse_layer_idx": (None, False),
+                  "reorder_and_upcast_attn": (None, False)}
+
+
+def _neutral(value: object, allowed: tuple) -> bool:
+    """``value`` is one of ``allowed`` (bools compared by identity: True is not 1.0 here)."""
+    return any(value is a or (type(value) is type(a) and value == a) for a in allowed)
 
 
 def _check_config(config: object, max_tokens: int) -> None:
-    for name in _MATH_SWITCHES:
+    for name, allowed in _MATH_SWITCHES.items():
         value = getattr(config, name, None)
-        if value not in (None, False, 0, 1.0) or (name == "embedding_multiplier" and value not in (None, 1.0)):
+        if not _neutral(value, allowed):
             raise Unsupported(f"config.{name} = {value!r}")
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) and window < max_tokens:

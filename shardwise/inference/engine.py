@@ -71,6 +71,7 @@ class InferenceEngine(nn.Module):
         self.fast_path_reason: Optional[str] = None
         if config.replace_with_kernel_inject or self.plan.active:
             self.rebuild_fast_path()
+        self._note_cuda_graph()
         self.streamer = attach(model, self.decoder, config, self.device, self.dtype)
         self.stats: Dict[str, float] = {"build_s": time.perf_counter() - start}
 
@@ -80,6 +81,19 @@ class InferenceEngine(nn.Module):
         """Whether decode steps are captured in CUDA graphs (on by default on CUDA with injection)."""
         graph = self._config.enable_cuda_graph
         return self.device.type == "cuda" and (graph is None or bool(graph))
+
+    def _note_cuda_graph(self) -> None:
+        if not self._config.enable_cuda_graph:
+            return
+        if self.device.type != "cuda":
+            warn_once("enable_cuda_graph: no CUDA device; the decode path runs eagerly.")
+        elif self.decoder is None:
+            warn_once("enable_cuda_graph applies to the fast decode path "
+                      "(replace_with_kernel_inject=True on a supported model); this engine runs "
+                      "the plain module without graphs.")
+        elif self.plan.active:
+            warn_once("enable_cuda_graph: not used with tensor parallelism (the decode step is "
+                      "compiled without CUDA graphs, as DeepSpeed does not graph TP either).")
 
     def rebuild_fast_path(self) -> None:
         """(Re)build the fused / sharded projections from the module's current weights.
@@ -101,12 +115,42 @@ class InferenceEngine(nn.Module):
             return
         intermediate = spec.layers[0].up.weight.shape[0]
         self.plan.check(spec.n_heads, spec.n_kv_heads, intermediate)
-        self.decoder = FastDecoder(spec, self.plan, self._config.max_out_tokens)
+        decoder = FastDecoder(spec, self.plan, self._config.max_out_tokens)
+        if not self.plan.active:
+            mismatch = self._probe(decoder)
+            if mismatch:
+                self.fast_path_reason = mismatch
+                warn_once(f"replace_with_kernel_inject: the fast decode path does not reproduce "
+                          f"this model ({mismatch}); it runs as a plain module with Hugging Face "
+                          f"generate.")
+                return
+        self.decoder = decoder
         if self.device.type == "cuda":
             self.decoder.compile_step(self.cuda_graph and not self.plan.active)
         log_dist(f"init_inference: fast decode path for the {spec.family} layout "
                  f"({len(spec.layers)} layers, tp={self.plan.size}, dtype={self.dtype}, "
                  f"cuda_graph={self.cuda_graph and not self.plan.active})")
+
+    @torch.no_grad()
+    def _probe(self, decoder: FastDecoder) -> Optional[str]:
+        """Compare the fast prefill with the module's forward on 8 tokens; a text if they differ.
+
+        Catches what the structure does not show (e.g. an embedding scaled inside forward).
+        """
+        vocab = decoder.embed.weight.shape[0]
+        device = decoder.embed.weight.device  # the host, before ZeRO-Inference streaming starts
+        ids = (torch.arange(8, device=device) * 7 + 3).remainder(vocab)[None]
+        mask = torch.ones_like(ids)
+        decoder.ensure_cache(1, 8, self.dtype, device)
+        fast = decoder.prefill(ids, mask, hf_positions(mask), all_logits=True).float()
+        decoder.cache = None
+        ref = self.module(ids, attention_mask=mask).logits.float()
+        err = ((fast - ref).norm() / ref.norm().clamp(min=1e-6)).item()
+        # a real mismatch (a missed scale, norm or activation) is O(1); rounding is far below
+        limit = 1e-3 if self.dtype == torch.float32 and not self._config.int8 else 0.1
+        if not err <= limit:
+            return f"its logits differ from the module's forward by {err:.2e} (relative; limit {limit:g})"
+        return None
 
     # --- forward -------------------------------------------------------------------------
     def _to_device(self, value: Any) -> Any:

@@ -41,14 +41,35 @@ def quantize_weight(weight: torch.Tensor) -> tuple:
     return q, scale
 
 
+#: Under torch.compile on CUDA, at most this many rows use the reduction form (a GEMV).
+GEMV_ROWS = 2
+
+
+def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The reduction form of x @ (weight * scale).T, accumulated in fp32 (see int8_linear)."""
+    prod = x.unsqueeze(-2).float() * weight.float()  # (..., out, in): fused away by inductor
+    return (prod.sum(dim=-1) * scale.float()).to(x.dtype)
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ (weight * scale).T (+ bias) without materialising the float weight where possible."""
+    """x @ (weight * scale).T (+ bias) without materialising the float weight where possible.
+
+    * CPU, eager: ``torch._weight_int8pack_mm`` (PyTorch's int8 weight kernel);
+    * compiled, CUDA, a decode step of at most ``GEMV_ROWS`` rows: written as a broadcast
+      multiply + sum, which inductor turns into one reduction kernel that reads the int8
+      weight once and converts it in registers (the float weight never exists);
+    * otherwise: ``F.linear(x, weight.to(x.dtype)) * scale`` (inductor may fuse the cast as
+      a prologue of its own matmul kernels under max-autotune).
+    """
+    rows = x.numel() // x.shape[-1]
     if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm") and not torch.compiler.is_compiling():
         shape = x.shape
         out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), weight,
                                         scale.to(x.dtype))
         out = out.reshape(*shape[:-1], weight.shape[0])
+    elif torch.compiler.is_compiling() and x.device.type == "cuda" and rows <= GEMV_ROWS:
+        out = int8_gemv(x, weight, scale)
     else:
         out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
     return out if bias is None else out + bias

@@ -25,3 +25,13 @@ def test_ratio_table_compares_like_with_like(capsys):
     assert "FAILED: Merging tensors" in out and "1.50x" in out
     assert set(bench.VARIANTS) == {"hf_eager", "hf_static", "ds", "ds_inject", "sw_eager",
                                    "sw_inject", "sw_int8"}
+
+
+def test_merge_prints_one_table_from_saved_rows(tmp_path, capsys):
+    import json
+    bench = _bench()
+    row = {"size": "1.1b", "batch": 1, "ms_per_token": 1.0, "prefill_ms": 1.0, "cold_start_s": 1.0}
+    (tmp_path / "a.json").write_text(json.dumps([dict(row, variant="hf_static", tok_s=374.0)]))
+    (tmp_path / "b.json").write_text(json.dumps([dict(row, variant="sw_inject", tok_s=794.8)]))
+    assert bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    assert "2.13x" in capsys.readouterr().out

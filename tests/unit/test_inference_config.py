@@ -90,3 +90,34 @@ def test_seed_section_4_2_loads_and_routes_zero_inference():
         assert named in text
     assert settings_from(cfg).persistence_threshold == 100000
     assert settings_from(cfg).max_live_parameters == 10_000_000
+
+
+#: DeepSpeedInferenceConfig's fields with their defaults (deepspeed/inference/config.py).
+DEEPSPEED_DEFAULTS = {
+    "replace_with_kernel_inject": False, "dtype": "fp16", "tensor_parallel": {}, "enable_cuda_graph": False,
+    "use_triton": False, "triton_autotune": False, "zero": {}, "triangular_masking": True, "moe": {},
+    "keep_module_on_host": False, "quant": {}, "checkpoint": None, "base_dir": "",
+    "set_empty_params": False, "save_mp_checkpoint_path": None, "checkpoint_config": {},
+    "return_tuple": True, "training_mp_size": 1, "replace_method": "auto", "injection_policy": None,
+    "injection_policy_tuple": None, "config": None, "max_out_tokens": 1024, "min_out_tokens": 1,
+    "transposed_mode": False, "mp_size": 1, "mpu": None, "ep_size": 1, "ep_group": None,
+    "ep_mp_group": None, "moe_experts": [1], "moe_type": "standard",
+}
+DEEPSPEED_ALIASES = {"kernel_inject": True, "tp": {"tp_size": 1}, "tm": True, "ckpt_config": {},
+                     "injection_dict": None, "args": None, "max_tokens": 1024, "min_tokens": 1,
+                     "expert_group": None, "expert_mp_group": None}
+
+
+def test_every_deepspeed_key_and_alias_loads():
+    cfg = load_inference_config(DEEPSPEED_DEFAULTS)
+    assert cfg.max_out_tokens == 1024 and cfg.tp_size == 1 and cfg.moe.ep_size == 1
+    assert load_inference_config(DEEPSPEED_ALIASES).replace_with_kernel_inject
+    sub = {"tensor_parallel": {"enabled": True, "tp_size": 1, "tp_grain_size": 64, "mpu": None,
+                               "tp_group": None},
+           "moe": {"enabled": True, "ep_size": 1, "num_experts": [1], "type": "standard",
+                   "ep_mp_group": None, "expert_group": None},
+           "quant": {"enabled": True, "activation": {}, "weight": {}, "qkv": {}},
+           "checkpoint_config": {"checkpoint_dir": None, "save_mp_checkpoint_path": None,
+                                 "base_dir": None}}
+    assert load_inference_config(sub).tensor_parallel.tp_grain_size == 64
+    assert load_inference_config(moe=False).moe.enabled is False

@@ -100,3 +100,15 @@ def test_seed_config_loads_and_generates(llama, caplog):
     ids, mask = prompts(1)
     ref = llama.generate(ids, attention_mask=mask, max_new_tokens=4)
     assert torch.equal(eng.generate(ids, attention_mask=mask, max_new_tokens=4), ref)
+
+
+def test_cuda_graph_without_cuda_says_so(llama):
+    from shardwise.utils.logging import logger
+    seen = []
+    handler = type("H", (__import__("logging").Handler,), {"emit": lambda self, r: seen.append(r.getMessage())})()
+    logger.addHandler(handler)
+    try:
+        _engine(llama, enable_cuda_graph=True)
+    finally:
+        logger.removeHandler(handler)
+    assert any("enable_cuda_graph" in m and "eagerly" in m for m in seen)

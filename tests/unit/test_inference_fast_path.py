@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import shardwise
+from transformers import LlamaForCausalLM
 from shardwise.errors import ConfigError
 from shardwise.inference.arch import Unsupported, describe_model
 from tests.unit._inference_models import prompts, tiny
@@ -119,3 +120,41 @@ def test_too_many_tokens_name_max_out_tokens():
     ids, mask = prompts(1)
     with pytest.raises(ConfigError, match="max_out_tokens = 10"):
         eng.generate(ids, attention_mask=mask, max_new_tokens=8)
+
+
+class _ScaledLlama(LlamaForCausalLM):
+    """Same structure as Llama, different math in forward: only the probe can see it."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+
+def test_probe_catches_math_the_structure_does_not_show():
+    src = tiny("llama")
+    m = _ScaledLlama(src.config).eval()
+    m.load_state_dict(src.state_dict())
+    eng = _inject(m)
+    assert eng.decoder is None and "logits differ" in eng.fast_path_reason
+
+
+def test_alibi_flag_true_is_not_mistaken_for_neutral():
+    m = tiny("llama")
+    m.config.use_alibi = True  # True == 1.0 in Python; the check must not treat it as neutral
+    with pytest.raises(Unsupported, match="use_alibi"):
+        describe_model(m)
+
+
+def test_gemma_layout_runs_the_fast_path():
+    from transformers import GemmaConfig, GemmaForCausalLM
+    torch.manual_seed(0)
+    m = GemmaForCausalLM(GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16)).eval()
+    eng = _inject(m)
+    assert eng.decoder is not None
+    ids, mask = prompts(3)
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=1, eos_token_id=None)
+    assert torch.equal(eng.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=1,
+                                    eos_token_id=None), ref)

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.inference.quant import (WeightOnlyInt8Linear, int8_linear, int8_perplexity_delta,
-                                       quantize_weight)
+from shardwise.inference.quant import (WeightOnlyInt8Linear, int8_gemv, int8_linear,
+                                       int8_perplexity_delta, quantize_weight)
 from tests.unit._inference_models import prompts, tiny
 
 
@@ -20,6 +20,12 @@ def test_per_channel_quantization_round_trips():
     x = torch.randn(5, 16)
     torch.testing.assert_close(int8_linear(x, q, scale), x @ (q.float() * scale[:, None]).t(),
                                rtol=1e-4, atol=1e-4)
+    # the compiled-CUDA decode form (reduction instead of matmul) computes the same product
+    for rows in (x[:1], x[:2, None]):
+        torch.testing.assert_close(int8_gemv(rows, q, scale), int8_linear(rows, q, scale),
+                                   rtol=1e-4, atol=1e-4)
+    half = x[:1].bfloat16()
+    assert int8_gemv(half, q, scale).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("inject", [False, True])
