@@ -73,6 +73,13 @@ class InferenceEngine(nn.Module):
             self.rebuild_fast_path()
         self._note_cuda_graph()
         self.streamer = attach(model, self.decoder, config, self.device, self.dtype)
+        if self.streamer is not None and self.decoder is not None:
+            mismatch = self._probe(self.decoder)  # on the device, layers streamed
+            if mismatch:
+                self.decoder, self.fast_path_reason = None, mismatch
+                warn_once(f"replace_with_kernel_inject: the fast decode path does not reproduce "
+                          f"this model ({mismatch}); it runs as a plain module with Hugging Face "
+                          f"generate.")
         self.stats: Dict[str, float] = {"build_s": time.perf_counter() - start}
 
     # --- the fast path -------------------------------------------------------------------
@@ -116,7 +123,7 @@ class InferenceEngine(nn.Module):
         intermediate = spec.layers[0].up.weight.shape[0]
         self.plan.check(spec.n_heads, spec.n_kv_heads, intermediate)
         decoder = FastDecoder(spec, self.plan, self._config.max_out_tokens)
-        if not self.plan.active:
+        if not self.plan.active and not self._config.wants_param_offload:  # streamed: after attach
             mismatch = self._probe(decoder)
             if mismatch:
                 self.fast_path_reason = mismatch
@@ -138,7 +145,7 @@ class InferenceEngine(nn.Module):
         Catches what the structure does not show (e.g. an embedding scaled inside forward).
         """
         vocab = decoder.embed.weight.shape[0]
-        device = decoder.embed.weight.device  # the host, before ZeRO-Inference streaming starts
+        device = decoder.embed.weight.device
         ids = (torch.arange(8, device=device) * 7 + 3).remainder(vocab)[None]
         mask = torch.ones_like(ids)
         decoder.ensure_cache(1, 8, self.dtype, device)
