@@ -110,7 +110,7 @@ def test_small_layers_stay_in_host_memory_with_nvme(tmp_path):
     assert not any(tmp_path.rglob("*.swp"))
 
 
-@pytest.mark.parametrize("bits,tol", [(8, 0.05), (4, 0.6)])
+@pytest.mark.parametrize("bits,tol", [(8, 0.02), (4, 0.25)])  # max |logit error|; |logits| < 1
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_quantized_streaming_within_logit_tolerance(family, bits, tol):
     m = model(family, hidden=64, ffn=128)
@@ -180,3 +180,17 @@ def test_auto_batch_size_fills_free_memory_and_runs(monkeypatch):
     out = eng.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=1)
     ref = m.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=1)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.windows
+def test_nvme_streaming_path_with_spaces(tmp_path):
+    m = model("llama", layers=2, hidden=128, ffn=1024)
+    ids, mask, ref = reference(m, batch=1, new=3)
+    folder = tmp_path / "swap dir with spaces"
+    eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32",
+                                   zero_optimization=zero(m, "nvme", nvme_path=str(folder)))
+    assert all(isinstance(img.source, NvmeSource) for img in eng.streamer.images)
+    out = eng.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1)
+    assert torch.equal(out, ref)
+    eng.streamer.close()
+    assert not any(folder.rglob("*.swp"))
