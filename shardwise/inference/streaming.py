@@ -94,13 +94,15 @@ class LayerStreamer:
                 self.units[i].append(block)
         self._swap = None
         self._aio = None
-        groups = self._group_storages(model, decoder)
-        per_unit = self._split(groups)
+        per_unit = self._split(self._group_storages(model, decoder))
         self.images = [self._layout(i, items) for i, items in enumerate(per_unit)]
         self.window = self._pick_window()
         self._make_slots()
-        for image, items in zip(self.images, per_unit):  # layer by layer: one host copy at a time
-            self._pack(image, [t for _, t in items])
+        for i, image in enumerate(self.images):  # layer by layer; each original freed once packed
+            tensors = [t for _, t in per_unit[i]]
+            per_unit[i] = []
+            self._pack(image, tensors)
+            del tensors
         self._make_staging()
         self._hooks = []
         for i, mods in enumerate(self.units):
