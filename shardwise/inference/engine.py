@@ -26,7 +26,7 @@ from .generation import resolve
 from .loading import load_into
 from .quant import quantize_linears
 from .tp import TPPlan, make_plan
-from .zero_inference import attach, host_device, place_model
+from .zero_inference import attach, host_device, layerwise_checkpoint, place_model
 
 
 def _device(plan: TPPlan) -> torch.device:
@@ -59,7 +59,8 @@ class InferenceEngine(nn.Module):
                               config.tensor_parallel.mpu)
         self.device = _device(self.plan)
         self.dtype = _compute_dtype(config, model, self.device)
-        if config.checkpoint is not None:
+        layerwise = layerwise_checkpoint(model, config)  # ZeRO-Inference reads it per layer
+        if config.checkpoint is not None and layerwise is None:
             load_into(model, config.checkpoint, config.base_dir, host_device(config, self.device),
                       self.dtype)
         model = place_model(model.eval(), config, self.device, self.dtype)
@@ -72,7 +73,7 @@ class InferenceEngine(nn.Module):
         if config.replace_with_kernel_inject or self.plan.active:
             self.rebuild_fast_path()
         self._note_cuda_graph()
-        self.streamer = attach(model, self.decoder, config, self.device, self.dtype)
+        self.streamer = attach(model, self.decoder, config, self.device, self.dtype, layerwise)
         if self.streamer is not None and self.decoder is not None:
             mismatch = self._probe(self.decoder)  # on the device, layers streamed
             if mismatch:

@@ -35,8 +35,8 @@ from torch import nn
 from shardwise.errors import ConfigError
 
 from .quant_stream import QuantSpec
-from .weight_store import (MIN_NVME_BYTES, HostSource, LayerImage, NvmeSource, Region, TensorRef,
-                           host_buffer, layout, storage_bytes, storage_key)
+from .weight_store import (MIN_NVME_BYTES, CheckpointTensors, HostSource, LayerImage, NvmeSource,
+                           Region, TensorRef, host_buffer, layout, storage_bytes, storage_key)
 
 _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
                 "transformer.layers", "model.transformer.h")
@@ -85,8 +85,12 @@ class LayerStreamer:
     """See the module docstring."""
 
     def __init__(self, model: nn.Module, decoder: Optional[nn.Module], device: torch.device,
-                 settings: StreamSettings, dtype: torch.dtype) -> None:
+                 settings: StreamSettings, dtype: torch.dtype,
+                 checkpoint: Optional[CheckpointTensors] = None) -> None:
         self.device, self.settings, self.dtype = device, settings, dtype
+        self.checkpoint = checkpoint  # weights of a meta model, read layer by layer
+        self._names: Dict[int, str] = {}
+        self._replaced: Dict[int, nn.Parameter] = {}  # meta Parameters -> their real ones
         self.layers = decoder_layers(model)
         self.units = [[layer] for layer in self.layers]
         if decoder is not None:
@@ -99,7 +103,7 @@ class LayerStreamer:
         self.window = self._pick_window()
         self._make_slots()
         for i, image in enumerate(self.images):  # layer by layer; each original freed once packed
-            tensors = [t for _, t in per_unit[i]]
+            tensors = [self._real(r, t) for r, t in per_unit[i]]
             per_unit[i] = []
             self._pack(image, tensors)
             del tensors
@@ -120,6 +124,7 @@ class LayerStreamer:
                 for sub in mod.modules():
                     unit_of.setdefault(id(sub), i)
         roots = [model] + ([decoder] if decoder is not None else [])
+        qualname = {id(m): n for n, m in model.named_modules()}
         seen: Set[int] = set()
         groups: Dict[Tuple[str, int], Tuple[Set[Any], List[Tuple[TensorRef, torch.Tensor]]]] = {}
         for root in roots:
@@ -132,13 +137,17 @@ class LayerStreamer:
                     for name, t in table.items():
                         if t is None or t.numel() == 0:
                             continue
-                        if t.is_meta:
+                        if t.is_meta and self.checkpoint is None:
                             raise ConfigError(f"ZeRO-Inference: {name} of {type(sub).__name__} is "
                                               f"on the meta device; load weights first "
                                               f"(init_inference(..., checkpoint=DIR)).")
                         owners, refs = groups.setdefault(storage_key(t), (set(), []))
                         owners.add(owner)
-                        refs.append((TensorRef.of(sub, name, is_param, t), t))
+                        ref = TensorRef.of(sub, name, is_param, t)
+                        if id(sub) in qualname:
+                            prefix = qualname[id(sub)]
+                            self._names[id(ref)] = f"{prefix}.{name}" if prefix else name
+                        refs.append((ref, t))
         return groups
 
     def _split(self, groups) -> List[List[Tuple[Region, torch.Tensor]]]:
@@ -157,15 +166,19 @@ class LayerStreamer:
             if streamed:
                 per_unit[next(iter(owners))].append((region, t))
             else:
-                self._make_resident(region, t)
+                self._make_resident(region, self._real(region, t))
         return per_unit
 
+    def _real(self, region: Region, t: torch.Tensor) -> torch.Tensor:
+        """``t``, or for a meta tensor its storage read from the checkpoint (on the host)."""
+        return self.checkpoint.materialize(region, self._names) if t.is_meta else t
+
     def _make_resident(self, region: Region, t: torch.Tensor) -> None:
-        if t.device == self.device:
+        if t.device == self.device and not region.refs[0].current().is_meta:
             return
         dev = storage_bytes(t).to(self.device)
         for ref, view in zip(region.refs, region.views(dev)):
-            ref.set(view)
+            ref.set(view, self._replaced)
 
     def _layout(self, index: int, items: List[Tuple[Region, torch.Tensor]]) -> LayerImage:
         quant = self.settings.quant
@@ -182,7 +195,7 @@ class LayerStreamer:
         buf = host_buffer(nbytes, pin=self.settings.pin_memory and not to_nvme)
         image.fill(buf, dict(enumerate(tensors)))
         image.source = self._write_swap(image.index, buf) if to_nvme else HostSource(buf)
-        image.bind(self.slots[0])
+        image.bind(self.slots[0], self._replaced)
 
     def _write_swap(self, index: int, buf: torch.Tensor) -> NvmeSource:
         from shardwise.io.aio_handle import AsyncIOHandle

@@ -33,7 +33,10 @@ _ALIGN = 64
 
 
 def storage_key(t: torch.Tensor) -> Tuple[str, int]:
-    """Identity of the memory a tensor points into (device type, base address)."""
+    """Identity of the memory a tensor points into (device type, base address; for a meta
+    tensor, which has no address, its storage object)."""
+    if t.is_meta:
+        return ("meta", t.untyped_storage()._cdata)
     return (t.device.type, t.untyped_storage().data_ptr())
 
 
@@ -64,11 +67,18 @@ class TensorRef:
         table = self.module._parameters if self.is_param else self.module._buffers
         return table[self.name]
 
-    def set(self, value: torch.Tensor) -> None:
-        """Point the slot at ``value`` (a Parameter keeps its identity: ties survive)."""
+    def set(self, value: torch.Tensor, memo: Optional[Dict[int, nn.Parameter]] = None) -> None:
+        """Point the slot at ``value`` (a Parameter keeps its identity: ties survive). A meta
+        Parameter cannot take real data: it is replaced once, through ``memo`` (old id -> new
+        Parameter), so every module that shared it shares the replacement."""
         table = self.module._parameters if self.is_param else self.module._buffers
         obj = table[self.name]
-        if isinstance(obj, nn.Parameter):
+        if isinstance(obj, nn.Parameter) and obj.is_meta and not value.is_meta:
+            memo = {} if memo is None else memo
+            if id(obj) not in memo:
+                memo[id(obj)] = nn.Parameter(value, requires_grad=False)
+            table[self.name] = memo[id(obj)]
+        elif isinstance(obj, nn.Parameter):
             obj.data = value
         else:
             table[self.name] = value
@@ -172,11 +182,11 @@ class LayerImage:
         """Device side: the copied transfer bytes ``staged`` into the image (dequantize)."""
         dequantize_into(staged, self.quant, image[:self.image_bytes].view(self.dtype))
 
-    def bind(self, image: torch.Tensor) -> None:
+    def bind(self, image: torch.Tensor, memo: Optional[Dict[int, nn.Parameter]] = None) -> None:
         """Point every ref of this layer at its view of ``image``."""
         for region in self.regions:
             for ref, view in zip(region.refs, region.views(image)):
-                ref.set(view)
+                ref.set(view, memo)
 
 
 def _elsize(dtype: torch.dtype) -> int:
@@ -186,3 +196,39 @@ def _elsize(dtype: torch.dtype) -> int:
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     """A page-aligned host byte buffer, pinned when asked and the accelerator can."""
     return alloc_aligned(nbytes + (-nbytes % 4096), pin=pin)[:nbytes]
+
+
+class CheckpointTensors:
+    """Random access by name to the tensors of a Hugging Face safetensors directory, so a meta
+    model's layers are read one at a time (never the whole model in host memory)."""
+
+    def __init__(self, files: List[str]) -> None:
+        from safetensors import safe_open
+        self._handles = [safe_open(f, framework="pt", device="cpu") for f in files]
+        self._where = {key: h for h in self._handles for key in h.keys()}
+
+    def find(self, name: str) -> Optional[str]:
+        """The checkpoint's key for module tensor ``name`` (``model.`` prefixes matched)."""
+        from .loading import _match
+        return _match(name, self._where) if self._where else None
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._where[key].get_tensor(key)
+
+    def materialize(self, region: "Region", names: Dict[int, str]) -> torch.Tensor:
+        """A CPU tensor holding ``region``'s storage, every named ref's view filled from the
+        checkpoint (``names``: id(ref) -> module tensor name)."""
+        out = torch.zeros(region.numel, dtype=region.dtype)
+        filled = False
+        for ref in region.refs:
+            key = self.find(names.get(id(ref), ""))
+            if key is None:
+                continue
+            out.as_strided(ref.shape, ref.stride, ref.offset).copy_(self.get(key))
+            filled = True
+        if not filled:
+            from shardwise.errors import CheckpointError
+            wanted = sorted(names.get(id(r), "?") for r in region.refs)
+            raise CheckpointError(f"the checkpoint holds none of {wanted}: wrong checkpoint for "
+                                  f"this model?")
+        return out

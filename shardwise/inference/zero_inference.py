@@ -28,11 +28,28 @@ from shardwise.utils.logging import log_dist
 
 from .config import InferenceConfig
 from .streaming import LayerStreamer, StreamSettings
+from .weight_store import CheckpointTensors
 
 
 def host_device(cfg: InferenceConfig, device: torch.device) -> torch.device:
     """Where weights are loaded/placed before streaming starts (the host with offload)."""
     return torch.device("cpu") if cfg.wants_param_offload else device
+
+
+def layerwise_checkpoint(model: nn.Module, cfg: InferenceConfig) -> Optional[CheckpointTensors]:
+    """For a meta model with parameter offload and a Hugging Face safetensors ``checkpoint``:
+    random access to its tensors, so ``attach`` reads one layer at a time (the model is never
+    whole in host memory). None otherwise (the engine loads the checkpoint to the host first)."""
+    if not cfg.wants_param_offload or cfg.checkpoint is None or isinstance(cfg.checkpoint, dict):
+        return None
+    if not any(p.is_meta for p in model.parameters()):
+        return None
+    from pathlib import Path
+
+    from .loading import _safetensor_files
+    root = Path(cfg.base_dir) / cfg.checkpoint if cfg.base_dir else Path(cfg.checkpoint)
+    files = _safetensor_files(root) if root.is_dir() else []
+    return CheckpointTensors([str(f) for f in files]) if files else None
 
 
 def _check(cfg: InferenceConfig) -> None:
@@ -75,17 +92,21 @@ def place_model(model: nn.Module, cfg: InferenceConfig, device: torch.device,
                           "weights on the device use \"dtype\": \"int8\".")
     if dtype is not None:
         model = model.to(dtype=dtype)
+    if any(p.is_meta for p in model.parameters()):
+        return model  # ZeRO-Inference reads its weights layer by layer in attach()
     return model.to(host_device(cfg, device))
 
 
 def attach(model: nn.Module, decoder: Optional[nn.Module], cfg: InferenceConfig,
-           device: torch.device, dtype: torch.dtype) -> Optional[LayerStreamer]:
-    """Start streaming ``model``'s decoder layers (None without parameter offload)."""
+           device: torch.device, dtype: torch.dtype,
+           checkpoint: Optional[CheckpointTensors] = None) -> Optional[LayerStreamer]:
+    """Start streaming ``model``'s decoder layers (None without parameter offload); a meta
+    model's weights come from ``checkpoint`` (``layerwise_checkpoint``), one layer at a time."""
     if not cfg.wants_param_offload:
         return None
     if decoder is not None:  # hooks run in Python: the decode step stays eager
         decoder._step, decoder._graphs = decoder.step, False
-    streamer = LayerStreamer(model, decoder, device, settings_from(cfg), dtype)
+    streamer = LayerStreamer(model, decoder, device, settings_from(cfg), dtype, checkpoint)
     quant = streamer.settings.quant
     log_dist(f"ZeRO-Inference: {len(streamer.images)} layers streamed from "
              f"{cfg.zero.offload_param.device}"

@@ -153,17 +153,29 @@ def test_bad_values_are_errors_naming_them(tmp_path):
         shardwise.init_inference(m, zero={"stage": 3, "offload_param": {"device": "nvme"}})
 
 
-def test_meta_model_loaded_from_checkpoint_streams(tmp_path):
-    m = model("opt")
+@pytest.mark.parametrize("family,where", [("opt", "cpu"), ("llama", "nvme")])
+def test_meta_model_streams_from_checkpoint_layer_by_layer(family, where, tmp_path, monkeypatch):
+    m = model(family, hidden=128, ffn=1024)
     m.save_pretrained(tmp_path / "ckpt")
-    ids, mask, ref = reference(m, batch=1, new=4)
+    ids, mask, ref = reference(m, batch=2, new=4)
     with shardwise.OnDevice(dtype=torch.float32, device="meta"):
-        empty = OPTForCausalLM(m.config)
+        empty = type(m)(m.config)
+
+    def whole_model_load(*args, **kwargs):
+        raise AssertionError("the checkpoint must be read layer by layer, not loaded whole")
+    monkeypatch.setattr("shardwise.inference.engine.load_into", whole_model_load)
+    extra = {"nvme_path": str(tmp_path / "swap")} if where == "nvme" else {}
     eng = shardwise.init_inference(empty, dtype="fp32", checkpoint=str(tmp_path / "ckpt"),
-                                   replace_with_kernel_inject=True, zero_optimization=zero(m))
-    assert eng.streamer is not None and not any(p.is_meta for p in eng.module.parameters())
+                                   replace_with_kernel_inject=True,
+                                   zero_optimization=zero(m, where, **extra))
+    assert eng.decoder is not None and not any(p.is_meta for p in eng.module.parameters())
+    if where == "nvme":
+        assert all(isinstance(img.source, NvmeSource) for img in eng.streamer.images)
     out = eng.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=1)
     assert torch.equal(out, ref)
+    plain = eng.module.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                pad_token_id=1)
+    assert torch.equal(plain, ref)
 
 
 def test_auto_batch_size_fills_free_memory_and_runs(monkeypatch):
