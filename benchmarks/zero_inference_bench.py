@@ -18,6 +18,7 @@ memory, build time. A ratio table comes last.
 
     python benchmarks/zero_inference_bench.py --quick            # ~5 device minutes
     python benchmarks/zero_inference_bench.py                    # 7b and 13b, batch 1/16/64
+    python benchmarks/zero_inference_bench.py --sizes 7b --batches auto --variants sw_cpu_bf16,sw_cpu_int4
     python benchmarks/zero_inference_bench.py --sizes 13b --mem-cap-gib 24   # a cap the model
                                                                   # does not fit next to its cache
 DeepSpeed rows need the wheels of scripts/prepare_device_wheels.sh; ``--nvme-path`` should be on
@@ -152,7 +153,7 @@ def _timed(torch: Any, engine: Any, ids: Any, new: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(args: argparse.Namespace, size: str, variant: str, batch: int) -> Dict[str, Any]:
+def measure(args: argparse.Namespace, size: str, variant: str, batch: Any) -> Dict[str, Any]:
     import torch
     if args.mem_cap_gib and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
@@ -165,6 +166,13 @@ def measure(args: argparse.Namespace, size: str, variant: str, batch: int) -> Di
     engine = make_engine(torch, model, variant, args.prompt + args.new, args.nvme_path)
     build_s = time.perf_counter() - start
     streamer = getattr(engine, "streamer", None)
+    label = batch
+    if batch == "auto":  # shardwise's max_batch_size="auto": the largest batch that fits
+        if streamer is None:
+            raise SystemExit("batch 'auto' is for the shardwise variants")
+        from shardwise.inference.zero_inference import auto_batch_size
+        batch = min(args.auto_cap, auto_batch_size(engine, args.prompt, args.new))
+    batch = int(batch)
     step_bytes = streamer.bytes_per_pass if streamer is not None else bf16_layers
     ids = torch.randint(3, SIZES[size]["vocab_size"], (batch, args.prompt),
                         generator=torch.Generator().manual_seed(1)).to("cuda" if cuda else "cpu")
@@ -174,7 +182,7 @@ def measure(args: argparse.Namespace, size: str, variant: str, batch: int) -> Di
     t1 = _timed(torch, engine, ids, 1)
     tn = _timed(torch, engine, ids, args.new)
     steps_s = (args.new - 1) / max(tn - t1, 1e-9)
-    row = dict(size=size, variant=variant, batch=batch, tok_s=batch * steps_s, steps_s=steps_s,
+    row = dict(size=size, variant=variant, batch=label, rows=batch, tok_s=batch * steps_s, steps_s=steps_s,
                prefill_s=t1, step_mb=step_bytes / 1e6, h2d_gbps=gbps,
                pcie_fraction=steps_s * step_bytes / (gbps * 1e9),
                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, build_s=build_s)
@@ -188,7 +196,8 @@ def measure(args: argparse.Namespace, size: str, variant: str, batch: int) -> Di
 def _child(args: argparse.Namespace, size: str, variant: str, batch: int) -> Dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--sizes", size, "--variants", variant,
            "--batches", str(batch), "--prompt", str(args.prompt), "--new", str(args.new),
-           "--nvme-path", args.nvme_path, "--mem-cap-gib", str(args.mem_cap_gib)]
+           "--nvme-path", args.nvme_path, "--mem-cap-gib", str(args.mem_cap_gib),
+           "--auto-cap", str(args.auto_cap)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -208,6 +217,10 @@ def _ratio(rows: List[Dict[str, Any]], row: Dict[str, Any], variant: str) -> str
     return "-"
 
 
+def _b(row: Dict[str, Any]) -> str:
+    return f"auto={row['rows']}" if row["batch"] == "auto" and "rows" in row else str(row["batch"])
+
+
 def print_tables(rows: List[Dict[str, Any]]) -> None:
     print(f"\n{'size':5} {'variant':13} {'B':>3} {'tok/s':>8} {'MB/step':>8} {'H2D GB/s':>8} "
           f"{'PCIe%':>6} {'prefill s':>9} {'peak GiB':>8} {'build s':>7}")
@@ -215,14 +228,14 @@ def print_tables(rows: List[Dict[str, Any]]) -> None:
         if "error" in r:
             print(f"{r['size']:5} {r['variant']:13} {r['batch']:>3} FAILED: {r['error']}")
             continue
-        print(f"{r['size']:5} {r['variant']:13} {r['batch']:>3} {r['tok_s']:8.2f} {r['step_mb']:8.0f} "
+        print(f"{r['size']:5} {r['variant']:13} {_b(r):>3} {r['tok_s']:8.2f} {r['step_mb']:8.0f} "
               f"{r['h2d_gbps']:8.1f} {100 * r['pcie_fraction']:6.1f} {r['prefill_s']:9.2f} "
               f"{r['peak_gib']:8.1f} {r['build_s']:7.1f}")
     print(f"\nratios (tokens/s): {'size':5} {'variant':13} {'B':>3} {'vs DeepSpeed':>12} "
           f"{'vs Accelerate':>13} {'vs sw bf16':>10}")
     for r in rows:
         if "error" not in r:
-            print(f"                   {r['size']:5} {r['variant']:13} {r['batch']:>3} "
+            print(f"                   {r['size']:5} {r['variant']:13} {_b(r):>3} "
                   f"{_ratio(rows, r, 'ds_z3'):>12} {_ratio(rows, r, 'hf_accel'):>13} "
                   f"{_ratio(rows, r, 'sw_cpu_bf16'):>10}")
 
@@ -231,7 +244,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="7b,13b")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--batches", default="1,16,64",
+                   help="comma list; 'auto' = the largest batch that fits (shardwise variants)")
+    p.add_argument("--auto-cap", type=int, default=256, help="upper bound for batch 'auto'")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--nvme-path", default=os.environ.get("TMPDIR", tempfile.gettempdir()))
@@ -246,7 +261,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for key, value in QUICK.items():
             setattr(args, key, value)
     sizes, variants = args.sizes.split(","), args.variants.split(",")
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [b if b == "auto" else int(b) for b in args.batches.split(",")]
     if args.child:
         print(json.dumps(measure(args, sizes[0], variants[0], batches[0])), flush=True)
         return 0
@@ -255,8 +270,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     for size in sizes:
         for batch in batches:
             for variant in variants:
-                if args.quick and variant in ("hf_accel", "ds_z3") and batch > 1:
-                    continue  # the slow baselines at batch 1 only in the quick run
+                if variant in ("hf_accel", "ds_z3") and (batch == "auto" or (args.quick and batch > 1)):
+                    continue  # the slow baselines: batch 1 only in the quick run, no 'auto'
+
                 row = _child(args, size, variant, batch)
                 rows = [r for r in rows if (r["size"], r["variant"], r["batch"]) != (size, variant, batch)]
                 rows.append(row)
@@ -264,7 +280,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     out.write_text(json.dumps(rows, indent=1))
                 print(json.dumps(row), flush=True)
     order = {v: i for i, v in enumerate(VARIANTS)}
-    rows.sort(key=lambda r: (r["size"], r["batch"], order.get(r["variant"], 99)))
+    rows.sort(key=lambda r: (r["size"], str(r["batch"]).zfill(6), order.get(r["variant"], 99)))
     print_tables(rows)
     return 0
 
