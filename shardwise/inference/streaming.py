@@ -25,7 +25,6 @@ On a CPU-only machine the same code runs with the device = CPU (copies are plain
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 

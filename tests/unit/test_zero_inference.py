@@ -1,7 +1,6 @@
 """ZeRO-Inference through init_inference: decoder layers streamed from pinned host memory or
 NVMe (swap files), raw or int8/int4; tokens equal the plain model's generate."""
 import copy
-import os
 from pathlib import Path
 
 import pytest

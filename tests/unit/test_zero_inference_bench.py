@@ -1,6 +1,5 @@
 """benchmarks/zero_inference_bench.py: the tables and the PCIe-bound arithmetic (no GPU)."""
 import importlib.util
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
