@@ -164,6 +164,9 @@ class InferenceConfig(ConfigModel):
     weight_quantization: WeightQuantizationConfig = Field(default_factory=WeightQuantizationConfig)
     """ZeRO-Inference's weight-only quantized streaming (DeepSpeed's ds_config key):
     ``{"quantized_initialization": {"num_bits": 4 or 8, "group_size": 64}}``."""
+    kv_offload: bool = False
+    """DeepSpeed ZeRO-Inference's KV-cache offload (its examples' ``--kv-offload``): not
+    implemented; ``true`` is an error."""
     aio: AioConfig = Field(default_factory=AioConfig)
     """Async file IO for ``zero.offload_param.device = "nvme"`` (DeepSpeed's ds_config section)."""
     triangular_masking: bool = True

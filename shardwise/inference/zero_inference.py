@@ -83,6 +83,10 @@ def settings_from(cfg: InferenceConfig) -> StreamSettings:
 def place_model(model: nn.Module, cfg: InferenceConfig, device: torch.device,
                 dtype: Optional[torch.dtype]) -> nn.Module:
     """Put ``model`` where inference runs: on ``device``, or on the host for ZeRO-Inference."""
+    if cfg.kv_offload:
+        raise ConfigError("kv_offload = true (KV cache in pinned host memory) is not implemented "
+                          "yet; the static KV cache lives on the device. Remove kv_offload, and "
+                          "size the batch with zero_inference.auto_batch_size.")
     if cfg.wants_param_offload:
         _check(cfg)
     elif cfg.weight_quantization.quantized_initialization is not None:
