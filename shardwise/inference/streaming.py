@@ -21,6 +21,11 @@ exist; a layer still in its slot is not copied again (so a model that fits in th
 copied once). From NVMe, the next layer's swap file is read into a pinned staging buffer by
 ``shardwise.io``'s ``AsyncIOHandle`` one stage before its device copy.
 
+At world size > 1 each rank keeps 1/world of every layer's transfer bytes (host or NVMe),
+copies its shard up and the ranks all-gather the layer into the slot (gloo or NCCL) before it
+is expanded/bound; every rank must then run the same forward passes, as with DeepSpeed's
+ZeRO-3 (``synced_gpus``).
+
 On a CPU-only machine the same code runs with the device = CPU (copies are plain memcpy).
 """
 from __future__ import annotations
@@ -71,6 +76,10 @@ class StreamSettings:
     pin_memory: bool = True
     aio_kwargs: Dict[str, Any] = field(default_factory=dict)
     rank: int = 0
+    world: int = 1
+    """Ranks sharing the streaming: each holds 1/world of every layer and they all-gather."""
+    group: Any = None
+    """The process group of those ranks (None: the default group)."""
     window: Optional[int] = None
     """Layers prefetched ahead; None: from the sizes above and free device memory."""
     min_nvme_bytes: int = MIN_NVME_BYTES
@@ -184,15 +193,23 @@ class LayerStreamer:
         offsets, size = layout([(r.dtype, r.numel) for r, _ in items], quant)
         for (region, _), off in zip(items, offsets):
             region.offset = off
-        return LayerImage(index, [r for r, _ in items], size, self.dtype, quant)
+        return LayerImage(index, [r for r, _ in items], size, self.dtype, quant,
+                          world=self.settings.world)
 
     def _pack(self, image: LayerImage, tensors: List[torch.Tensor]) -> None:
         """Fill the layer's host buffer or swap file; its tensors then point at slot 0
         (a placeholder until the first fetch), so the original host copies are freed."""
-        nbytes = image.transfer_bytes
+        nbytes = image.shard_bytes
         to_nvme = self.settings.nvme_path is not None and nbytes >= self.settings.min_nvme_bytes
         buf = host_buffer(nbytes, pin=self.settings.pin_memory and not to_nvme)
-        image.fill(buf, dict(enumerate(tensors)))
+        if image.world == 1:
+            image.fill(buf, dict(enumerate(tensors)))
+        else:  # this rank keeps its shard of the transfer bytes
+            whole = torch.zeros(nbytes * image.world, dtype=torch.uint8)
+            image.fill(whole[:image.transfer_bytes], dict(enumerate(tensors)))
+            rank = self.settings.rank
+            buf.copy_(whole[rank * nbytes:(rank + 1) * nbytes])
+            del whole
         image.source = self._write_swap(image.index, buf) if to_nvme else HostSource(buf)
         image.bind(self.slots[0], self._replaced)
 
@@ -227,12 +244,17 @@ class LayerStreamer:
 
     def _make_slots(self) -> None:
         n = min(self.window + 1, len(self.images))
-        big = max(img.image_bytes for img in self.images)
+        world = self.settings.world
+        big = max(max(img.image_bytes, world * img.shard_bytes) for img in self.images)
         self.slots = [torch.empty(big, dtype=torch.uint8, device=self.device) for _ in range(n)]
         self.staging: List[Optional[torch.Tensor]] = [None] * n
         if self.settings.quant is not None:
-            packed = max(img.transfer_bytes for img in self.images)
+            packed = max(world * img.shard_bytes for img in self.images)
             self.staging = [torch.empty(packed, dtype=torch.uint8, device=self.device) for _ in range(n)]
+        self.own: List[Optional[torch.Tensor]] = [None] * n  # this rank's shard on the device
+        if world > 1:
+            shard = max(img.shard_bytes for img in self.images)
+            self.own = [torch.empty(shard, dtype=torch.uint8, device=self.device) for _ in range(n)]
         self.owner: List[Optional[int]] = [None] * n
         self.last_use = [0] * n
         self.ready: List[Any] = [None] * n
@@ -307,7 +329,7 @@ class LayerStreamer:
             del self.slot_of[old]
         img = self.images[j]
         host, stage = self._host_bytes(j)
-        n = img.transfer_bytes
+        n = img.shard_bytes
         events = _events(self.device)
         if events is not None:
             with torch.cuda.stream(self.copy_stream):
@@ -334,12 +356,28 @@ class LayerStreamer:
 
     def _copy(self, img: LayerImage, host: torch.Tensor, slot: int) -> None:
         non_blocking = self.device.type == "cuda"
-        if img.quant is None:
+        if img.world > 1:
+            self._gather(img, host, slot, non_blocking)
+        elif img.quant is None:
             self.slots[slot][:host.numel()].copy_(host, non_blocking=non_blocking)
         else:
             staged = self.staging[slot][:host.numel()]
             staged.copy_(host, non_blocking=non_blocking)
             img.expand(staged, self.slots[slot])
+
+    def _gather(self, img: LayerImage, host: torch.Tensor, slot: int, non_blocking: bool) -> None:
+        """World size > 1: copy this rank's shard up, all-gather the layer, expand if quantized."""
+        import torch.distributed as dist
+        own = self.own[slot][:host.numel()]
+        own.copy_(host, non_blocking=non_blocking)
+        dest = self.slots[slot] if img.quant is None else self.staging[slot]
+        dest = dest[:img.world * host.numel()]
+        if dest.is_cuda:  # NCCL: straight into the slot
+            dist.all_gather_into_tensor(dest, own, group=self.settings.group)
+        else:  # gloo
+            dist.all_gather(list(dest.chunk(img.world)), own, group=self.settings.group)
+        if img.quant is not None:
+            img.expand(dest, self.slots[slot])
 
     def enter(self, i: int) -> None:
         """Pre-hook of layer ``i``: its weights ready and bound; the next ``k`` layers on their way."""
@@ -367,7 +405,7 @@ class LayerStreamer:
     @property
     def bytes_per_pass(self) -> int:
         """Bytes one forward pass streams when no layer stays in a slot."""
-        return sum(img.transfer_bytes for img in self.images)
+        return sum(img.shard_bytes for img in self.images)
 
     def device_bytes(self) -> int:
         """Device memory held by the slots."""

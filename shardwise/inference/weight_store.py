@@ -151,6 +151,14 @@ class LayerImage:
     dtype: torch.dtype
     quant: Optional[QuantSpec] = None
     source: Optional[Source] = None
+    world: int = 1
+    """Ranks the transfer bytes are split over (each holds one shard; all-gathered on fetch)."""
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes one rank holds and copies per fetch (all of them at world size 1)."""
+        per = -(-self.transfer_bytes // self.world)
+        return per + (-per % _ALIGN) if self.world > 1 else per
 
     @property
     def transfer_bytes(self) -> int:

@@ -57,11 +57,6 @@ def _check(cfg: InferenceConfig) -> None:
         raise ConfigError(f"zero.offload_param (ZeRO-Inference) with tensor_parallel.tp_size = "
                           f"{cfg.tp_size} is not supported: use tp_size 1 with offload, or drop "
                           f"offload_param to run AutoTP.")
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ConfigError(f"zero.offload_param (ZeRO-Inference) runs on one process here; this job "
-                          f"has {dist.get_world_size()} ranks. Sharded streaming (each rank "
-                          f"streams 1/N and all-gathers) is not implemented yet: launch one "
-                          f"process, or drop offload_param.")
     if cfg.zero.offload_param.device == "nvme" and not cfg.zero.offload_param.nvme_path:
         raise ConfigError("zero.offload_param.device is \"nvme\" but nvme_path is not set.")
 
@@ -77,7 +72,12 @@ def settings_from(cfg: InferenceConfig) -> StreamSettings:
         nvme_path=off.nvme_path if off.device == "nvme" else None,
         pin_memory=bool(off.pin_memory) or off.device == "nvme",
         aio_kwargs=cfg.aio.handle_kwargs(),
-        rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+        rank=dist.get_rank() if _distributed() else 0,
+        world=dist.get_world_size() if _distributed() else 1)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def place_model(model: nn.Module, cfg: InferenceConfig, device: torch.device,

@@ -207,13 +207,3 @@ def test_nvme_streaming_path_with_spaces(tmp_path):
     assert torch.equal(out, ref)
     eng.streamer.close()
     assert not any(folder.rglob("*.swp"))
-
-
-def test_world_size_above_one_is_a_clear_error(monkeypatch):
-    from shardwise.inference import zero_inference as zi
-    monkeypatch.setattr(zi.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(zi.dist, "get_world_size", lambda group=None: 2)
-    m = model("llama", layers=2)
-    with pytest.raises(ConfigError, match="2 ranks.*not implemented"):
-        zi.place_model(m, shardwise.inference.load_inference_config(zero=zero(m)),
-                       torch.device("cpu"), torch.float32)
