@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from shardwise.config.aio import AioConfig
 from shardwise.config.base import ConfigModel, canonical_dtype_name
 from shardwise.config.jsonc import load_file
 from shardwise.config.keys import WalkReport, normalize
@@ -28,6 +29,8 @@ from shardwise.config.loader import _convert
 from shardwise.config.zero import ZeroConfig
 from shardwise.errors import ConfigError
 from shardwise.utils.logging import warn_once
+
+from .quant_stream import WeightQuantizationConfig
 
 #: dtype names accepted by ``dtype`` (DeepSpeed's spellings plus int8).
 DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16,
@@ -158,6 +161,14 @@ class InferenceConfig(ConfigModel):
     """DeepSpeed's Triton autotuning (no effect)."""
     zero: ZeroConfig = Field(default_factory=ZeroConfig)
     """ZeRO settings; stage 3 + offload_param is ZeRO-Inference (alias ``zero_optimization``)."""
+    weight_quantization: WeightQuantizationConfig = Field(default_factory=WeightQuantizationConfig)
+    """ZeRO-Inference's weight-only quantized streaming (DeepSpeed's ds_config key):
+    ``{"quantized_initialization": {"num_bits": 4 or 8, "group_size": 64}}``."""
+    kv_offload: bool = False
+    """DeepSpeed ZeRO-Inference's KV-cache offload (its examples' ``--kv-offload``): not
+    implemented; ``true`` is an error."""
+    aio: AioConfig = Field(default_factory=AioConfig)
+    """Async file IO for ``zero.offload_param.device = "nvme"`` (DeepSpeed's ds_config section)."""
     triangular_masking: bool = True
     """DeepSpeed's masking switch (no effect; causal masking follows the model)."""
     moe: Union[bool, MoEConfig] = Field(default_factory=MoEConfig)

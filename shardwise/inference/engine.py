@@ -26,7 +26,7 @@ from .generation import resolve
 from .loading import load_into
 from .quant import quantize_linears
 from .tp import TPPlan, make_plan
-from .zero_inference import place_model
+from .zero_inference import attach, host_device, layerwise_checkpoint, place_model
 
 
 def _device(plan: TPPlan) -> torch.device:
@@ -59,8 +59,10 @@ class InferenceEngine(nn.Module):
                               config.tensor_parallel.mpu)
         self.device = _device(self.plan)
         self.dtype = _compute_dtype(config, model, self.device)
-        if config.checkpoint is not None:
-            load_into(model, config.checkpoint, config.base_dir, self.device, self.dtype)
+        layerwise = layerwise_checkpoint(model, config)  # ZeRO-Inference reads it per layer
+        if config.checkpoint is not None and layerwise is None:
+            load_into(model, config.checkpoint, config.base_dir, host_device(config, self.device),
+                      self.dtype)
         model = place_model(model.eval(), config, self.device, self.dtype)
         self.dtype = self.dtype or next(model.parameters()).dtype
         if config.int8:
@@ -71,6 +73,14 @@ class InferenceEngine(nn.Module):
         if config.replace_with_kernel_inject or self.plan.active:
             self.rebuild_fast_path()
         self._note_cuda_graph()
+        self.streamer = attach(model, self.decoder, config, self.device, self.dtype, layerwise)
+        if self.streamer is not None and self.decoder is not None:
+            mismatch = self._probe(self.decoder)  # on the device, layers streamed
+            if mismatch:
+                self.decoder, self.fast_path_reason = None, mismatch
+                warn_once(f"replace_with_kernel_inject: the fast decode path does not reproduce "
+                          f"this model ({mismatch}); it runs as a plain module with Hugging Face "
+                          f"generate.")
         self.stats: Dict[str, float] = {"build_s": time.perf_counter() - start}
 
     # --- the fast path -------------------------------------------------------------------
@@ -114,7 +124,7 @@ class InferenceEngine(nn.Module):
         intermediate = spec.layers[0].up.weight.shape[0]
         self.plan.check(spec.n_heads, spec.n_kv_heads, intermediate)
         decoder = FastDecoder(spec, self.plan, self._config.max_out_tokens)
-        if not self.plan.active:
+        if not self.plan.active and not self._config.wants_param_offload:  # streamed: after attach
             mismatch = self._probe(decoder)
             if mismatch:
                 self.fast_path_reason = mismatch
@@ -136,9 +146,10 @@ class InferenceEngine(nn.Module):
         Catches what the structure does not show (e.g. an embedding scaled inside forward).
         """
         vocab = decoder.embed.weight.shape[0]
-        ids = (torch.arange(8, device=self.device) * 7 + 3).remainder(vocab)[None]
+        device = decoder.embed.weight.device
+        ids = (torch.arange(8, device=device) * 7 + 3).remainder(vocab)[None]
         mask = torch.ones_like(ids)
-        decoder.ensure_cache(1, 8, self.dtype, self.device)
+        decoder.ensure_cache(1, 8, self.dtype, device)
         fast = decoder.prefill(ids, mask, hf_positions(mask), all_logits=True).float()
         decoder.cache = None
         ref = self.module(ids, attention_mask=mask).logits.float()

@@ -6,7 +6,7 @@ import torch
 
 from shardwise.errors import ConfigError
 from shardwise.inference.config import InferenceConfig, load_inference_config
-from shardwise.inference.zero_inference import offload_note
+from shardwise.inference.zero_inference import settings_from
 
 #: The seed article's section 4.2 config, verbatim (Python literal in the article).
 SEED_4_2 = {"tensor_parallel": {"tp_size": 1, "windows_tp_optimization": True},
@@ -88,7 +88,8 @@ def test_seed_section_4_2_loads_and_routes_zero_inference():
     for named in ("windows_kernel_optimization", "windows_tp_optimization", "zero_optimization",
                   "'inference'"):
         assert named in text
-    assert "ZeRO-Inference" in offload_note(cfg)
+    assert settings_from(cfg).persistence_threshold == 100000
+    assert settings_from(cfg).max_live_parameters == 10_000_000
 
 
 #: DeepSpeedInferenceConfig's fields with their defaults (deepspeed/inference/config.py).
