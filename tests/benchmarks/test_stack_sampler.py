@@ -10,8 +10,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import stack_sampler as ss  # noqa: E402
 
-# this file lies in tests/unit/: "unit" plays the package whose frames are attributed
-PACKAGE = "unit"
+# this file lies in tests/benchmarks/: "benchmarks" plays the package whose frames are attributed
+PACKAGE = "benchmarks"
 
 
 def _spin(seconds: float) -> None:
@@ -34,9 +34,9 @@ def test_classify_names_outermost_and_innermost_package_frames():
         probe()
     middle()
     entry, leaf, inner = seen["where"]
-    assert leaf == inner == "unit/test_stack_sampler.py:probe"
+    assert leaf == inner == "benchmarks/test_stack_sampler.py:probe"
     # the outermost frame of this file on the stack is the test function itself
-    assert entry == "unit/test_stack_sampler.py:test_classify_names_outermost_and_innermost_package_frames"
+    assert entry == "benchmarks/test_stack_sampler.py:test_classify_names_outermost_and_innermost_package_frames"
     assert ss.classify(None, PACKAGE) == ("-", "-", "-")
 
 
@@ -49,8 +49,8 @@ def test_sampler_attributes_a_busy_thread_to_its_function():
     entries = sampler.entries["busy-worker"]
     leaves = sampler.leaves["busy-worker"]
     # nearly all of its samples are in _spin, entered through _outer
-    assert entries["unit/test_stack_sampler.py:_outer"] >= 0.8 * sum(entries.values())
-    assert leaves["unit/test_stack_sampler.py:_spin"] >= 0.8 * sum(leaves.values())
+    assert entries["benchmarks/test_stack_sampler.py:_outer"] >= 0.8 * sum(entries.values())
+    assert leaves["benchmarks/test_stack_sampler.py:_spin"] >= 0.8 * sum(leaves.values())
     text = sampler.summary()
     assert "[busy-worker]" in text and "_spin" in text
     assert "stack-sampler" not in text  # the sampler does not sample itself
