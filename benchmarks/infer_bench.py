@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child_run import run_child, tok_s_ratio  # noqa: E402
 
 SIZES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -162,23 +163,7 @@ def _child(args: argparse.Namespace, size: str, variant: str, batch: int) -> Dic
     cmd = [sys.executable, __file__, "--child", "--sizes", size, "--variants", variant,
            "--batches", str(batch), "--prompt", str(args.prompt), "--new", str(args.new),
            "--device", args.device, "--repeats", str(args.repeats)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"size": size, "variant": variant, "batch": batch, "error": f"timeout {args.timeout}s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"size": size, "variant": variant, "batch": batch, "error": " | ".join(tail)[-300:]}
-
-
-def _ratio(rows: List[Dict[str, Any]], row: Dict[str, Any], variant: str) -> str:
-    for other in rows:
-        if (other["size"], other["batch"], other["variant"]) == (row["size"], row["batch"], variant) \
-                and other.get("tok_s") and row.get("tok_s"):
-            return f"{row['tok_s'] / other['tok_s']:.2f}x"
-    return "-"
+    return run_child(cmd, {"size": size, "variant": variant, "batch": batch}, args.timeout)
 
 
 def print_tables(rows: List[Dict[str, Any]]) -> None:
@@ -198,8 +183,8 @@ def print_tables(rows: List[Dict[str, Any]]) -> None:
         if "error" in r:
             continue
         print(f"                   {r['size']:5} {LABELS[r['variant']]:22} {r['batch']:>3} "
-              f"{_ratio(rows, r, 'hf_static'):>12} {_ratio(rows, r, 'hf_eager'):>11} "
-              f"{_ratio(rows, r, 'ds'):>12} {_ratio(rows, r, 'sw_inject'):>12}")
+              f"{tok_s_ratio(rows, r, 'hf_static'):>12} {tok_s_ratio(rows, r, 'hf_eager'):>11} "
+              f"{tok_s_ratio(rows, r, 'ds'):>12} {tok_s_ratio(rows, r, 'sw_inject'):>12}")
 
 
 def _sorted(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

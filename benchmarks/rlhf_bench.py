@@ -26,10 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
+from pathlib import Path
 import time
 from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child_run import run_child  # noqa: E402
 
 SIZES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -150,15 +153,7 @@ def _child(args: argparse.Namespace, size: str, variant: str, batch: int) -> Dic
            "--batches", str(batch), "--prompt", str(args.prompt), "--new", str(args.new),
            "--train-batch", str(args.train_batch), "--device", args.device,
            "--repeats", str(args.repeats)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"size": size, "variant": variant, "batch": batch, "error": f"timeout {args.timeout}s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"size": size, "variant": variant, "batch": batch, "error": " | ".join(tail)[-300:]}
+    return run_child(cmd, {"size": size, "variant": variant, "batch": batch}, args.timeout)
 
 
 def _find(rows: List[Dict[str, Any]], row: Dict[str, Any], variant: str) -> Optional[Dict[str, Any]]:

@@ -29,12 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child_run import run_child, tok_s_ratio  # noqa: E402
 
 SIZES = {
     "tiny": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
@@ -198,23 +200,7 @@ def _child(args: argparse.Namespace, size: str, variant: str, batch: int) -> Dic
            "--batches", str(batch), "--prompt", str(args.prompt), "--new", str(args.new),
            "--nvme-path", args.nvme_path, "--mem-cap-gib", str(args.mem_cap_gib),
            "--auto-cap", str(args.auto_cap)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"size": size, "variant": variant, "batch": batch, "error": f"timeout {args.timeout}s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"size": size, "variant": variant, "batch": batch, "error": " | ".join(tail)[-300:]}
-
-
-def _ratio(rows: List[Dict[str, Any]], row: Dict[str, Any], variant: str) -> str:
-    for other in rows:
-        if (other["size"], other["batch"], other["variant"]) == (row["size"], row["batch"], variant) \
-                and other.get("tok_s") and row.get("tok_s"):
-            return f"{row['tok_s'] / other['tok_s']:.2f}x"
-    return "-"
+    return run_child(cmd, {"size": size, "variant": variant, "batch": batch}, args.timeout)
 
 
 def _b(row: Dict[str, Any]) -> str:
@@ -236,8 +222,8 @@ def print_tables(rows: List[Dict[str, Any]]) -> None:
     for r in rows:
         if "error" not in r:
             print(f"                   {r['size']:5} {r['variant']:13} {_b(r):>3} "
-                  f"{_ratio(rows, r, 'ds_z3'):>12} {_ratio(rows, r, 'hf_accel'):>13} "
-                  f"{_ratio(rows, r, 'sw_cpu_bf16'):>10}")
+                  f"{tok_s_ratio(rows, r, 'ds_z3'):>12} {tok_s_ratio(rows, r, 'hf_accel'):>13} "
+                  f"{tok_s_ratio(rows, r, 'sw_cpu_bf16'):>10}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

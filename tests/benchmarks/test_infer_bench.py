@@ -18,8 +18,8 @@ def test_ratio_table_compares_like_with_like(capsys):
     rows = [dict(base, variant="hf_static", tok_s=100.0), dict(base, variant="sw_inject", tok_s=150.0),
             dict(base, variant="ds", batch=8, tok_s=10.0),
             {"size": "7b", "batch": 1, "variant": "ds_inject", "error": "Merging tensors is not allowed"}]
-    assert bench._ratio(rows, rows[1], "hf_static") == "1.50x"
-    assert bench._ratio(rows, rows[1], "ds") == "-"  # DeepSpeed row is at another batch size
+    assert bench.tok_s_ratio(rows, rows[1], "hf_static") == "1.50x"
+    assert bench.tok_s_ratio(rows, rows[1], "ds") == "-"  # DeepSpeed row is at another batch size
     bench.print_tables(rows)
     out = capsys.readouterr().out
     assert "FAILED: Merging tensors" in out and "1.50x" in out

@@ -20,7 +20,7 @@ def test_tables_ratios_and_auto_batch_label(capsys):
     rows = [dict(base, variant="sw_cpu_bf16", tok_s=3.8), dict(base, variant="ds_z3", tok_s=2.0),
             dict(base, variant="sw_cpu_int4", batch="auto", rows=200, tok_s=900.0),
             {"size": "7b", "batch": 1, "variant": "hf_accel", "error": "CUDA out of memory"}]
-    assert bench._ratio(rows, rows[0], "ds_z3") == "1.90x"
+    assert bench.tok_s_ratio(rows, rows[0], "ds_z3") == "1.90x"
     bench.print_tables(rows)
     out = capsys.readouterr().out
     assert "FAILED: CUDA out of memory" in out and "1.90x" in out and "auto=200" in out

@@ -1,0 +1,41 @@
+"""One benchmark variant in a fresh process, and the tokens/s ratio between two rows.
+
+The inference-side benchmarks (infer_bench, zero_inference_bench, rlhf_bench) run every
+(size, variant, batch) in its own process so allocator state and compiled graphs never carry
+over; the child prints one JSON line last, which becomes the row.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any, Dict, List, Optional, Sequence
+
+
+def run_child(cmd: Sequence[str], key: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    """Run ``cmd``; its last JSON line, or ``key`` with the error (timeout, last stderr lines)."""
+    try:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**key, "error": f"timeout {timeout}s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {**key, "error": " | ".join(tail)[-300:]}
+
+
+def same_point(rows: List[Dict[str, Any]], row: Dict[str, Any],
+               variant: str) -> Optional[Dict[str, Any]]:
+    """The row of ``variant`` at ``row``'s size and batch, if there is one."""
+    for other in rows:
+        if (other["size"], other["batch"], other["variant"]) == (row["size"], row["batch"], variant):
+            return other
+    return None
+
+
+def tok_s_ratio(rows: List[Dict[str, Any]], row: Dict[str, Any], variant: str) -> str:
+    """``row``'s tokens/s over ``variant``'s at the same size and batch ("-" when missing)."""
+    other = same_point(rows, row, variant)
+    if other is None or not other.get("tok_s") or not row.get("tok_s"):
+        return "-"
+    return f"{row['tok_s'] / other['tok_s']:.2f}x"
