@@ -81,22 +81,6 @@ def strip_auto(value: Any, path: str, report: WalkReport) -> Any:
     return out
 
 
-def _unknown_key(key: str, path: str, model: Type[ConfigModel], root: Type[ConfigModel],
-                 report: WalkReport) -> None:
-    """Record a key ``model`` has no field for: a DeepSpeed key we do not use, a typo of a
-    key of this section, or a key unknown here (maybe known in another section)."""
-    dotted = _join(path, key)
-    if key in model.deepspeed_only:
-        report.notes.append(f"Config key '{dotted}' is a DeepSpeed key with no effect in "
-                            f"shardwise: {model.deepspeed_only[key]}.")
-        return
-    typo = misspelling_of(key, model)
-    if typo is not None:
-        report.typos.append((dotted, _join(path, typo[0]), typo[1]))
-        return
-    report.unknown.append((dotted, suggest(key, path, model, root)))
-
-
 def known_paths(model: Type[ConfigModel], path: str = "") -> List[str]:
     """Every dotted key the schema accepts (canonical names and aliases), for suggestions."""
     paths = []
