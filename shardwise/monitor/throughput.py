@@ -1,7 +1,6 @@
 """Throughput helpers: tokens in a batch, model FLOPs per token, the accelerator's peak."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -9,28 +8,11 @@ import torch
 
 from ..zero.stage3.partition import full_numel
 
-#: dense bf16 peak TFLOP/s by a substring of the device name (first match wins);
-#: SHARDWISE_PEAK_TFLOPS overrides (and is the only source on a CPU)
-PEAK_TFLOPS: Tuple[Tuple[str, float], ...] = (
-    ("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("GH200", 989.0), ("B200", 2250.0),
-    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A6000", 155.0), ("L4", 121.0),
-    ("4090", 165.0), ("3090", 71.0), ("V100", 125.0), ("MI300X", 1307.0), ("MI250", 362.0),
-)
-PEAK_ENV = "SHARDWISE_PEAK_TFLOPS"
-
-
 def peak_flops(device: torch.device) -> Optional[float]:
-    """Peak FLOP/s of one device, or None when unknown (then no MFU is reported)."""
-    env = os.environ.get(PEAK_ENV)
-    if env:
-        return float(env) * 1e12
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, tflops in PEAK_TFLOPS:
-        if key in name:
-            return tflops * 1e12
-    return None
+    """Peak FLOP/s of one device, or None when unknown (then no MFU is reported): the flops
+    profiler's table (profiling/peak_flops.py), SHARDWISE_PEAK_TFLOPS overriding it."""
+    from ..profiling.peak_flops import device_peak_flops
+    return device_peak_flops(device)
 
 
 def batch_tokens(args: tuple, kwargs: Dict[str, Any]) -> Optional[Tuple[int, int]]:
