@@ -22,7 +22,9 @@ HOST_RSS = "Train/Samples/host_rss_gib"
 
 #: DeepSpeed's global timer names -> the suffix of their ``elapsed_time_ms_*`` tag.
 ELAPSED_TAGS = {"fwd": "forward", "bwd": "backward", "bwd_inner": "backward_inner",
-                "bwd_allreduce": "backward_allreduce", "step": "step"}
+                "bwd_allreduce": "backward_allreduce", "step": "step",
+                # ours (offload copies, monitor/copy_timers.py)
+                "offload_d2h": "offload_d2h", "offload_h2d": "offload_h2d"}
 
 
 class Waitable(Protocol):

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 
 from ..accelerator import get_accelerator
+from ..monitor.copy_timers import D2H, OffloadCopyTimer, copy_span
 from .cpu_worker import cpu_step_pool
 
 
@@ -69,6 +70,8 @@ class HostGradAccumulator:
         self._sumsq_host: List[float] = []
         self._sumsq_device: List[torch.Tensor] = []
         """One running sum per copy stream (each written only by its own stream)."""
+        self.copy_timer: Optional[OffloadCopyTimer] = None
+        """``wall_clock_breakdown``: times the gradient copies to the host (None: off)."""
 
     # --- squared norm of the final gradients -----------------------------------------------
     def reset_sumsq(self) -> None:
@@ -134,7 +137,7 @@ class HostGradAccumulator:
             return
         if not self.copies:
             # host gradients: nothing to copy; the arithmetic itself goes to the worker
-            self.submit(_accumulate, None, dst, src, overwrite)
+            self.submit(_timed_accumulate, self.copy_timer, dst, src, overwrite)
             if final:
                 self.submit(lambda: self._sumsq_host.append(float(torch.dot(dst, dst))))
             if after is not None:
@@ -143,7 +146,7 @@ class HostGradAccumulator:
         index = self._stream_of.setdefault(dst.data_ptr(), len(self._stream_of) % len(self.streams))
         stream = self.streams[index]
         stream.wait_stream(self.accel.current_stream(self.device))
-        with self.accel.stream(stream):
+        with self.accel.stream(stream), copy_span(self.copy_timer, D2H, stream):
             if overwrite:
                 wide = src if src.dtype == dst.dtype else src.to(dst.dtype)
             else:
@@ -230,6 +233,13 @@ def _accumulate(event: Optional[Any], dst: torch.Tensor, src: torch.Tensor, over
         dst.copy_(src)
     else:
         dst.add_(src)
+
+
+def _timed_accumulate(timer: Optional[OffloadCopyTimer], dst: torch.Tensor, src: torch.Tensor,
+                      overwrite: bool) -> None:
+    """The worker's stand-in for the device-to-host copy (host gradients), timed."""
+    with copy_span(timer, D2H):
+        _accumulate(None, dst, src, overwrite)
 
 
 def _after_event(event: Any, fn: Callable[[], Any]) -> None:

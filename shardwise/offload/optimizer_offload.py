@@ -35,6 +35,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from ..accelerator import get_accelerator
+from ..monitor.copy_timers import D2H, H2D, OffloadCopyTimer, copy_span
 from .buffers import HostBucket
 from .cpu_worker import cpu_step_pool, detached_step
 from .step_subset import step_subset
@@ -63,6 +64,8 @@ class OptimizerOffload:
         self.delayed = delayed
         self.warmup = max(int(warmup), 0)
         self.steps_done = 0
+        self.copy_timer: Optional[OffloadCopyTimer] = None
+        """``wall_clock_breakdown``: times the copies (set by the engine; None: off)."""
         self._futures: List[Future] = []
         self._eager_order: List[HostBucket] = []
         self._grad_events: dict = {}
@@ -92,9 +95,10 @@ class OptimizerOffload:
         if not self.cuda:
             if work is not None:
                 work.wait()
-            if accumulate:
-                reduced.add_(bucket.master_grad.to(reduced.dtype))
-            bucket.master_grad.copy_(reduced)
+            with copy_span(self.copy_timer, D2H):
+                if accumulate:
+                    reduced.add_(bucket.master_grad.to(reduced.dtype))
+                bucket.master_grad.copy_(reduced)
             self._grad_events[bucket.index] = None
             return
         current = self.accel.current_stream(self.device)
@@ -102,22 +106,27 @@ class OptimizerOffload:
         with self.accel.stream(self.stream):
             if work is not None:
                 work.wait()  # NCCL: makes the copy stream wait for the collective, not the host
-            host = bucket.master_grad
-            for lo, hi in _chunks(reduced.numel()):
-                part = reduced[lo:hi]
-                if accumulate:
-                    earlier = self._staging[:hi - lo]
-                    earlier.copy_(host[lo:hi], non_blocking=True)
-                    part.add_(earlier)
-                if part.dtype != host.dtype:
-                    # low-precision accumulation: widen on the device, then DMA (stream-ordered)
-                    staged = self._staging[:hi - lo]
-                    staged.copy_(part)
-                    part = staged
-                host[lo:hi].copy_(part, non_blocking=True)
+            with copy_span(self.copy_timer, D2H, self.stream):
+                self._copy_grads_out(bucket.master_grad, reduced, accumulate)
             event = self.accel.Event()
             event.record(self.stream)
         self._grad_events[bucket.index] = event
+
+    def _copy_grads_out(self, host: torch.Tensor, reduced: torch.Tensor,
+                        accumulate: bool) -> None:
+        """On the side stream: ``host (+)= reduced`` chunk by chunk through the staging buffer."""
+        for lo, hi in _chunks(reduced.numel()):
+            part = reduced[lo:hi]
+            if accumulate:
+                earlier = self._staging[:hi - lo]
+                earlier.copy_(host[lo:hi], non_blocking=True)
+                part.add_(earlier)
+            if part.dtype != host.dtype:
+                # low-precision accumulation: widen on the device, then DMA (stream-ordered)
+                staged = self._staging[:hi - lo]
+                staged.copy_(part)
+                part = staged
+            host[lo:hi].copy_(part, non_blocking=True)
 
     def wait_grads(self) -> None:
         for event in self._grad_events.values():
@@ -194,12 +203,13 @@ class OptimizerOffload:
         buckets = self.buckets if buckets is None else buckets
         with torch.no_grad():
             if not self.cuda:
-                for b in buckets:
-                    b.param_buf[b.lo:b.hi].copy_(b.master)
+                with copy_span(self.copy_timer, H2D):
+                    for b in buckets:
+                        b.param_buf[b.lo:b.hi].copy_(b.master)
                 return
             current = self.accel.current_stream(self.device)
             self.stream.wait_stream(current)  # backward may still be reading the parameters
-            with self.accel.stream(self.stream):
+            with self.accel.stream(self.stream), copy_span(self.copy_timer, H2D, self.stream):
                 for b in buckets:
                     for lo, hi in _chunks(b.hi - b.lo):
                         staging = self._staging[:hi - lo]

@@ -69,7 +69,12 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
                                 else None)
         self._compute_dtype = config.compute_dtype
         # reporting (runtime/step_logger.py, shardwise/monitor): DeepSpeed's engine.monitor
-        self.timers = EngineTimers(bool(config.wall_clock_breakdown), get_accelerator().synchronize)
+        zero = config.zero_optimization
+        offloaded = zero.offload_optimizer_device != "none" or zero.offload_param_device != "none"
+        self.timers = EngineTimers(bool(config.wall_clock_breakdown), get_accelerator().synchronize,
+                                   offload=offloaded and strategy is not None)
+        if self.timers.copies is not None:  # offload copy times (monitor/copy_timers.py)
+            strategy.set_copy_timer(self.timers.copies)
         self.monitor = MonitorMaster.from_config(config, rank=self.global_rank)
         self.step_logger = StepLogger(
             steps_per_print=config.steps_per_print, samples_per_step=self.train_batch_size(),

@@ -107,6 +107,11 @@ class DataParallelStrategy(ZeroStrategy):
         self.host_accumulate = (self.pipeline is not None and self._free_grads and self.overlap
                                 and not delayed_update and grad_dtype == torch.float32)
 
+    def set_copy_timer(self, timer) -> None:
+        """``wall_clock_breakdown``: the offload pipeline times its copies with ``timer``."""
+        if self.pipeline is not None:
+            self.pipeline.copy_timer = timer
+
     def _build_buckets(self, param_groups: Sequence[Sequence[tuple]], *, bucket_elems: int,
                        offload_device: Optional[torch.device], offload_ratio: float,
                        pin_memory: bool, grad_dtype: torch.dtype, separate_masters: bool) -> None:

@@ -14,11 +14,15 @@ One training step, as the engine drives it::
 """
 from __future__ import annotations
 
-from typing import ContextManager, List, Optional, Protocol, Union, runtime_checkable
+from typing import (TYPE_CHECKING, ContextManager, List, Optional, Protocol, Union,
+                    runtime_checkable)
 
 import torch
 
 from .shard_view import ShardView
+
+if TYPE_CHECKING:
+    from ..monitor.copy_timers import OffloadCopyTimer
 
 
 @runtime_checkable
@@ -135,6 +139,9 @@ class ZeroStrategy:
     def optimizer_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
         """Multiply the master gradients by ``factor`` (None: leave them) and step ``inner``."""
         raise NotImplementedError
+
+    def set_copy_timer(self, timer: "OffloadCopyTimer") -> None:
+        """``wall_clock_breakdown`` with offload: time the offload copies with ``timer``."""
 
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
         """Called once the inner optimizer steps this strategy's masters."""

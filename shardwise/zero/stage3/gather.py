@@ -15,12 +15,13 @@ engine's parameters.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
 from ...accelerator import get_accelerator
 from ...comm import all_gather_flat
+from ...monitor.copy_timers import H2D, OffloadCopyTimer, copy_span
 from .partition import GATHERED, INFLIGHT, RELEASED, PartitionedParam
 
 
@@ -33,6 +34,8 @@ class GatherContext:
         self.live_numel = 0
         """Padded elements of ``live``, kept as it changes (asked on every prefetch)."""
         self._fetch_streams: Dict[torch.device, Any] = {}
+        self.copy_timer: Optional[OffloadCopyTimer] = None
+        """``wall_clock_breakdown`` with ``offload_param``: times the shard fetches (None: off)."""
 
     # --- host-to-device copies of offloaded shards ------------------------------------------
     def _fetch_stream(self, device: torch.device) -> Any:
@@ -74,7 +77,8 @@ class GatherContext:
             if shard.device != rec.compute_device and rec.compute_device.type == "cuda":
                 side.append(rec)
             elif rec.world == 1:
-                rec.full.copy_(shard)
+                with copy_span(self.copy_timer, H2D):  # offload_param without streams: the fetch
+                    rec.full.copy_(shard)
             else:
                 if shard.device != rec.compute_device:
                     rec.staging = shard.to(rec.compute_device)
@@ -94,7 +98,7 @@ class GatherContext:
         compute = acc.current_stream(device)
         fetch = self._fetch_stream(device)
         fetch.wait_stream(compute)
-        with acc.stream(fetch):
+        with acc.stream(fetch), copy_span(self.copy_timer, H2D, fetch):
             for rec in recs:
                 dst = rec.full
                 if rec.world > 1:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ...accelerator import get_accelerator
+from ...monitor.copy_timers import H2D, OffloadCopyTimer, copy_span
 from ...offload.background_step import submit_background_step
 from ...offload.cpu_worker import cpu_step_pool, detached_step
 from ...offload.host_grads import HostGradAccumulator, alloc_host
@@ -104,6 +105,7 @@ class Stage3Strategy(ZeroStrategy):
                                    predivide=self.predivide, bucket_elems=self.reduce_bucket,
                                    deliver=self._deliver)
         self._acc = HostGradAccumulator(self.device, self.master_device)
+        self._copy_timer: Optional[OffloadCopyTimer] = None
         self._inner: Optional[torch.optim.Optimizer] = None
         self._boundary = False
         self._final: Set[int] = set()
@@ -271,6 +273,16 @@ class Stage3Strategy(ZeroStrategy):
                            self.eager_steps.finalizer(id(p))
                            if final and self.eager_steps.open else None)
 
+    def set_copy_timer(self, timer: OffloadCopyTimer) -> None:
+        """``wall_clock_breakdown``: gradient copies to the host, shard fetches
+        (``offload_param``) and master-to-shard copies (``offload_optimizer`` alone)."""
+        self._copy_timer = timer
+        if self.offload_opt:
+            self._acc.copy_timer = timer
+        if self.offload_param:
+            self.gathers.copy_timer = timer
+        self.whole.set_copy_timer(timer)
+
     def _write_stepped(self, keys: List[int]) -> None:
         """offload_param: pieces the eager step updated, into their host shards."""
         for key in keys:
@@ -425,11 +437,16 @@ class Stage3Strategy(ZeroStrategy):
         """The updated masters into the compute-dtype shards (but those in ``skip``, which an
         eager step already wrote)."""
         self.params.before_shard_write()
-        for params in self.trainable:
-            for p in params:
-                piece = self.piece.get(id(p))
-                if piece is not None and id(p) not in skip:
-                    self.rec[id(p)].storage.write_(piece, non_blocking=True)
+        # the masters' copy to the device shards (offload_optimizer without offload_param)
+        timed = self._copy_timer if self.offload_opt and not self.offload_param else None
+        stream = (get_accelerator().current_stream(self.device)
+                  if timed is not None and self.device.type == "cuda" else None)
+        with copy_span(timed, H2D, stream):
+            for params in self.trainable:
+                for p in params:
+                    piece = self.piece.get(id(p))
+                    if piece is not None and id(p) not in skip:
+                        self.rec[id(p)].storage.write_(piece, non_blocking=True)
         if self.offload_opt and not self.offload_param and self.device.type == "cuda":
             # the shards were DMA'd from the pinned masters, which the next CPU step rewrites
             get_accelerator().current_stream(self.device).synchronize()
