@@ -23,11 +23,12 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Set
+from typing import BinaryIO, Callable, Dict, List, Optional, Set
 
 import torch
 
 from ..errors import StorageError
+from . import libc
 from .aligned import ALIGN, alloc_aligned
 
 #: True where ``os.preadv``/``os.pwritev`` exist (not on Windows).
@@ -125,24 +126,7 @@ def _full(call: Callable[[memoryview, int], int], view: memoryview, offset: int,
         done += n
 
 
-_fallocate_fn: Any = None
-
-
-def _fallocate() -> Optional[Callable[[int, int, int, int], int]]:
-    """libc's ``fallocate`` on Linux (not ``os.posix_fallocate``, which glibc emulates by
-    writing zeros where the filesystem lacks it), else None."""
-    global _fallocate_fn
-    if _fallocate_fn is None:
-        _fallocate_fn = False
-        if sys.platform.startswith("linux"):
-            try:
-                fn = ctypes.CDLL(None, use_errno=True).fallocate
-                fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-                fn.restype = ctypes.c_int
-                _fallocate_fn = fn
-            except (OSError, AttributeError):
-                pass
-    return _fallocate_fn or None
+_fallocate = libc.fallocate
 
 
 #: Allocate the blocks of an O_DIRECT write that extends its file before the threads write

@@ -12,37 +12,20 @@ bytes written and their crcs are exactly those of a plain chunk-by-chunk loop.
 from __future__ import annotations
 
 import collections
-import sys
-from typing import Any, BinaryIO, Callable, List, Optional, Tuple, Union
+from typing import Any, BinaryIO, List, Optional, Tuple, Union
 
 import torch
 
+from . import libc
 from .checksums import ChunkCrcs, Crc
+from .libc import LibcFn
 from .pinned_ring import HostRing, Slot
 
 #: ``sync_file_range`` flag: start writeback of dirty pages in the range, do not wait.
 SYNC_FILE_RANGE_WRITE = 2
 
-SyncFileRange = Callable[[int, int, int, int], int]
-_sync_file_range_fn: Any = None
-
-
-def sync_file_range() -> Optional[SyncFileRange]:
-    """libc's ``sync_file_range`` through ctypes on Linux, else None (other systems have no
-    non-blocking "start writeback" call; there the final fsync does all of it)."""
-    global _sync_file_range_fn
-    if _sync_file_range_fn is None:
-        _sync_file_range_fn = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-                _sync_file_range_fn = fn
-            except (OSError, AttributeError):  # no glibc symbol (e.g. an unusual libc)
-                pass
-    return _sync_file_range_fn or None
+SyncFileRange = LibcFn
+sync_file_range = libc.sync_file_range
 
 
 class Writeback:
