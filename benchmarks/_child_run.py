@@ -1,4 +1,4 @@
-"""One benchmark variant in a fresh process, and the tokens/s ratio between two rows.
+"""One benchmark variant in a fresh process, the tokens/s ratio between two rows, the shapes.
 
 The inference-side benchmarks (infer_bench, zero_inference_bench, rlhf_bench) run every
 (size, variant, batch) in its own process so allocator state and compiled graphs never carry
@@ -9,6 +9,16 @@ from __future__ import annotations
 import json
 import subprocess
 from typing import Any, Dict, List, Optional, Sequence
+
+#: the Llama shapes the inference-side benchmarks share (random init; LlamaConfig kwargs)
+LLAMA_SHAPES: Dict[str, Dict[str, int]] = {
+    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                 num_attention_heads=32, num_key_value_heads=4, vocab_size=32000),
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                num_attention_heads=40, num_key_value_heads=40, vocab_size=32000),
+}
 
 
 def run_child(cmd: Sequence[str], key: Dict[str, Any], timeout: float) -> Dict[str, Any]:

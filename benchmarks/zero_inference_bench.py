@@ -36,17 +36,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _child_run import run_child, tok_s_ratio  # noqa: E402
+from _child_run import LLAMA_SHAPES, run_child, tok_s_ratio  # noqa: E402
 
 SIZES = {
     "tiny": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256),
-    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                 num_key_value_heads=4, vocab_size=32000),
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=32, vocab_size=32000),
-    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                num_key_value_heads=40, vocab_size=32000),
+    **{k: LLAMA_SHAPES[k] for k in ("1.1b", "7b", "13b")},
 }
 VARIANTS = ["sw_cpu_bf16", "sw_cpu_int8", "sw_cpu_int4", "sw_nvme_bf16", "sw_nvme_int4",
             "hf_accel", "ds_z3"]
