@@ -147,15 +147,16 @@ class ExactPinAllocator:
         align = HUGE_PAGE if length >= HUGE_PAGE else PAGE
         # Over-map by the alignment: pages never touched are never resident.
         block = mmap.mmap(-1, length + align - PAGE)
-        base = torch.frombuffer(block, dtype=torch.uint8)
-        skip = -base.data_ptr() % align
+        skip = -torch.frombuffer(block, dtype=torch.uint8).data_ptr() % align
         if align == HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE") and sys.platform.startswith("linux"):
             try:
                 block.madvise(mmap.MADV_HUGEPAGE, skip, length)
             except (OSError, ValueError):
                 pass  # THP off or unsupported: 4 KiB pages are fine
-        tensor = base[skip:skip + nbytes]
-        del base
+        # The storage starts at the aligned, registered address (a view at an offset of a
+        # storage at the mapping's start looked pageable to ``is_pinned()``, which asks the
+        # driver about the storage's pointer, so ``pin_memory()`` would have copied it again).
+        tensor = torch.frombuffer(memoryview(block)[skip:skip + nbytes], dtype=torch.uint8)
         ptr = tensor.data_ptr()
         error = registrar.register(ptr, length)
         if error is not None:
