@@ -140,7 +140,8 @@ class DataParallelStrategy(ZeroStrategy):
                                       compute_dtype=compute_dtype, device=device,
                                       master_device=offload_device if offloaded else device,
                                       pin=pin_memory, grad_dtype=grad_dtype,
-                                      separate_master=offloaded or separate_masters)
+                                      separate_master=offloaded or separate_masters,
+                                      pin_master=pin_memory and self._nvme_config is None)
                 bucket.offloaded = offloaded
                 bucket.grad_is_master = bucket.master_grad.data_ptr() == bucket.grad_buf.data_ptr()
                 self.buckets.append(bucket)

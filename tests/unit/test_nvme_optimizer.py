@@ -123,6 +123,8 @@ def test_swap_files_live_during_training_and_go_with_destroy(tmp_path, stage) ->
         stage, 2, 1, 0.0, LR, zero_optimization=_zero(stage, tmp_path, buffer_count=3)))
     files = _swap_files(tmp_path)
     assert files, "no swap files after initialize"
+    assert engine.zero_nvme_offload_optimizer()
+    assert engine.swap_tensor_config()["nvme_path"] == str(tmp_path)
     sizes = [f.stat().st_size for f in files]
     for x, y in global_batches(2, 2):
         engine.backward(engine(x, y))
