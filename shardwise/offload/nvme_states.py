@@ -40,6 +40,8 @@ CopyWait = Optional[Callable[[], None]]
 
 NVME_PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
 BUFFER_COUNT_KEY = "zero_optimization.offload_optimizer.buffer_count"
+#: Stage-3 sub-group elements when the config does not set ``sub_group_size``.
+NVME_DEFAULT_SUB_GROUP = 100_000_000
 
 
 def placeholder(numel: int) -> torch.Tensor:
@@ -154,7 +156,7 @@ class NvmeOptimizerStates:
         specs = [[TensorSpec(name, g.numel, torch.float32) for name in ("master",) + self.names]
                  for g in self.groups]
         need = sum(len(s) * g.numel * 4 for s, g in zip(specs, self.groups))
-        self.dir._check_space(need)
+        self.dir._check_space(need)  # the files' size is known only now (the state names)
         self.store = SwapStore(self.dir, specs, aio_kwargs=self._aio_kwargs,
                                buffer_count=self._buffer_count)
         for i, group in enumerate(self.groups):
@@ -276,10 +278,6 @@ class NvmeOptimizerStates:
             self._release(i)
         self.resident, self._dirty = False, False
 
-    def mark_dirty(self) -> None:
-        """The resident values changed (a checkpoint was loaded into them)."""
-        self._dirty = True
-
     def edit(self, key: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
         """Run ``fn(key)`` with ``key``'s sub-group in host memory and store the result
         (``GatheredParameters`` with a modifier rank rewrote a master)."""
@@ -319,9 +317,6 @@ def nvme_sub_group_elems(zero: Any) -> int:
     fields = getattr(zero, "model_fields_set", set())
     size = int(zero.sub_group_size) if "sub_group_size" in fields else NVME_DEFAULT_SUB_GROUP
     return max(size, 1)
-
-
-NVME_DEFAULT_SUB_GROUP = 100_000_000
 
 
 def states_from_config(config: Any, groups: Sequence[SubGroup],
