@@ -46,7 +46,7 @@ NVME_DEFAULT_SUB_GROUP = 100_000_000
 
 def placeholder(numel: int) -> torch.Tensor:
     """``numel`` fp32 zeros in 4 bytes: a swapped-out master's ``.data`` (right shape, so
-    gradients can stay attached; any in-place write raises)."""
+    gradients can stay attached; an in-place write of more than one element raises)."""
     return torch.zeros(1, dtype=torch.float32).expand(numel)
 
 
@@ -170,10 +170,6 @@ class NvmeOptimizerStates:
                  f"{need / 2**30:.2f} GiB of masters and {', '.join(self.names) or 'no states'} "
                  f"in {self.dir.path}; ring of {self.store.buffer_count} pinned buffers, "
                  f"{ring / 2**20:.1f} MiB", ranks=[0])
-
-    @property
-    def swap_files(self) -> List[str]:
-        return [self.store.path(i) for i in range(len(self.groups))] if self.store else []
 
     # --- keys <-> buffers ------------------------------------------------------------------
     def _bind(self, i: int, views: List[torch.Tensor]) -> None:
