@@ -8,6 +8,11 @@ one per subprocess, smallest first, and a framework stops at its first failure:
 
     python benchmarks/scale_bench.py --sw-layers 24,32,36 --ds-layers 20,24,28 --ds-prebuild
 
+``--optimizer-device nvme`` keeps the optimizer states in swap files under ``--nvme-path``
+instead (ZeRO-Infinity; train_bench's ``z3_nvme`` section), and ``--host-cap-gib 32`` stops a
+trial whose processes hold more than 32 GiB resident (pinned memory included; page cache is
+not counted): the host-memory budget of issue 21, without needing a cgroup.
+
 Host RAM is what bounds the model here (the GPU only ever holds a few layers), so the parent
 watches the machine's available memory and kills a trial before the kernel's OOM killer has
 to choose a victim (which could be this parent or the machine's agent): such a trial reads
@@ -41,6 +46,8 @@ from _common import (GIB, BenchConfig, HostRssSampler, add_shape_args, format_ta
 
 RESULT_MARKER = "@@SCALE_BENCH_RESULT@@ "
 FRAMEWORKS = ("sw", "ds")
+#: Environment variable: the trial's ZeRO section in train_bench's ZERO_SECTIONS.
+ZERO_KEY_ENV = "SCALE_BENCH_ZERO"
 
 
 def trial_config(args: argparse.Namespace, layers: int) -> BenchConfig:
@@ -57,7 +64,8 @@ def build_engine(framework: str, cfg: BenchConfig) -> tuple[Any, int]:
     """The model built under zero.Init and wrapped by the framework's initialize()."""
     from transformers import LlamaForCausalLM
 
-    config = tb.engine_config(cfg, tb.ZERO_SECTIONS["z3_offload"])
+    zero = tb.ZERO_SECTIONS[os.environ.get(ZERO_KEY_ENV) or "z3_offload"]
+    config = tb.engine_config(cfg, tb.nvme_zero(zero))
     tb.set_single_process_env()
     torch.manual_seed(cfg.seed)
     if framework == "sw":
@@ -134,8 +142,10 @@ def _tree_rss(proc: psutil.Process) -> int:
 
 
 def run_guarded(argv: list[str], log_path: Path, timeout_s: float,
-                min_free_gib: float, extra_env: dict[str, str] | None = None) -> tuple[str, float, float]:
-    """Run ``argv``; ('ok'|'failed'|'timeout'|'host-oom', wall seconds, min available GiB)."""
+                min_free_gib: float, extra_env: dict[str, str] | None = None,
+                cap_gib: float = 0.0) -> tuple[str, float, float]:
+    """Run ``argv``; ('ok'|'failed'|'timeout'|'host-oom'|'host-cap', wall seconds, min
+    available GiB). ``cap_gib`` > 0: stop it when its process tree's RSS passes that."""
     start = time.perf_counter()
     low = psutil.virtual_memory().available
     with log_path.open("w") as log:
@@ -154,9 +164,11 @@ def run_guarded(argv: list[str], log_path: Path, timeout_s: float,
             low = min(low, avail)
             if avail < min_free_gib * GIB:
                 status = "host-oom"
+            elif cap_gib > 0 and _tree_rss(psutil.Process(proc.pid)) > cap_gib * GIB:
+                status = "host-cap"
             elif time.perf_counter() - start > timeout_s:
                 status = "timeout"
-        if status in ("host-oom", "timeout"):
+        if status in ("host-oom", "host-cap", "timeout"):
             tb._kill_tree(proc.pid)
             proc.wait()
     return status, time.perf_counter() - start, low / GIB
@@ -169,14 +181,18 @@ def run_trial_subprocess(framework: str, cfg: BenchConfig, args: argparse.Namesp
             "--config-json", cfg.to_json()]
     # --exact-pin: shardwise's pinned host buffers (offload, stage 3) page-lock exactly their
     # size (accelerator/pinned.py) instead of going through torch's rounding allocator
-    extra = {"SHARDWISE_EXACT_PIN": "1"} if framework == "sw" and args.exact_pin else None
-    status, wall, low = run_guarded(argv, log_path, args.timeout, args.min_free_gib, extra)
+    extra = {"SHARDWISE_EXACT_PIN": "1"} if framework == "sw" and args.exact_pin else {}
+    extra[ZERO_KEY_ENV] = "z3_nvme" if args.optimizer_device == "nvme" else "z3_offload"
+    status, wall, low = run_guarded(argv, log_path, args.timeout, args.min_free_gib, extra,
+                                    args.host_cap_gib)
     result: dict[str, Any] | None = None
     for line in log_path.read_text(errors="replace").splitlines():
         if line.startswith(RESULT_MARKER):
             result = json.loads(line[len(RESULT_MARKER):])
     if status == "host-oom":
         result = {"error": f"host memory exhausted (available fell below {args.min_free_gib} GiB)"}
+    elif status == "host-cap":
+        result = {"error": f"host cap exceeded (resident memory above {args.host_cap_gib} GiB)"}
     elif status == "timeout":
         result = {"error": f"timed out after {args.timeout:.0f} s"}
     elif result is None:
@@ -225,6 +241,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-free-gib", type=float, default=2.0,
                    help="kill a trial when the machine's available memory falls below this")
     p.add_argument("--ds-prebuild", action="store_true", help="JIT-build DeepSpeed's CPU Adam first")
+    p.add_argument("--optimizer-device", choices=["cpu", "nvme"], default="cpu",
+                   help="where offload_optimizer keeps the optimizer states")
+    p.add_argument("--nvme-path", default=None,
+                   help="swap folder for --optimizer-device nvme (default: a temporary folder)")
+    p.add_argument("--host-cap-gib", type=float, default=0.0,
+                   help="stop a trial whose processes hold more resident memory than this (0: off)")
     p.add_argument("--exact-pin", action="store_true",
                    help="shardwise trials pin host buffers at their exact size (cudaHostRegister; "
                         "sets SHARDWISE_EXACT_PIN=1 for them)")
@@ -245,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="scale_bench_") as tmp:
         log_dir = Path(tmp)
+        if args.optimizer_device == "nvme":  # the trials inherit it (train_bench.nvme_zero)
+            os.environ[tb.NVME_PATH_ENV] = args.nvme_path or str(log_dir)
         if plan["ds"] and args.ds_prebuild:
             print(f"[scale_bench] deepspeed prebuild: {tb.prebuild_deepspeed_ops(600, log_dir)}",
                   flush=True)
@@ -262,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                                                indent=2))
                 if row.get("error"):
                     break  # larger models of this framework will not fit either
-    print(f"\nhost RAM {host_total:.1f} GiB; ZeRO-3 + offload_param + offload_optimizer (cpu, "
-          f"pinned{', shardwise exact-size' if args.exact_pin else ''}), bf16, micro batch {args.micro_batch} x {args.seq}")
+    cap = f", host cap {args.host_cap_gib:g} GiB RSS" if args.host_cap_gib > 0 else ""
+    print(f"\nhost RAM {host_total:.1f} GiB{cap}; ZeRO-3 + offload_param + offload_optimizer "
+          f"({args.optimizer_device}, pinned{', shardwise exact-size' if args.exact_pin else ''}), "
+          f"bf16, micro batch {args.micro_batch} x {args.seq}")
     print(format_table(results, TABLE_COLUMNS))
     for fw in FRAMEWORKS:
         ok = [r for r in results if r["framework"] == fw and not r.get("error")]

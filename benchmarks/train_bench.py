@@ -75,6 +75,7 @@ StepFn = Callable[[], torch.Tensor]
 # ZeRO sections shared by the DeepSpeed and shardwise variants (same keys, same meaning).
 # ---------------------------------------------------------------------------------------------
 _OFFLOAD = {"device": "cpu", "pin_memory": True}
+_NVME = {"device": "nvme", "pin_memory": True, "buffer_count": 4}
 
 ZERO_SECTIONS: dict[str, dict[str, Any]] = {
     "z0": {"stage": 0},
@@ -90,6 +91,11 @@ ZERO_SECTIONS: dict[str, dict[str, Any]] = {
                    "offload_optimizer": dict(_OFFLOAD)},
     "z3_offload_dpu": {"stage": 3, "offload_param": dict(_OFFLOAD),
                        "offload_optimizer": {**_OFFLOAD, "delayed_update": True}},
+    # optimizer states on NVMe (ZeRO-Infinity): nvme_path comes from --nvme-path (nvme_zero());
+    # sub-groups of 1e8 elements (DeepSpeed's default 1e9 is one 12 GB sub-group per buffer)
+    "z2_nvme": {"stage": 2, "offload_optimizer": dict(_NVME)},
+    "z3_nvme": {"stage": 3, "sub_group_size": 100_000_000, "offload_param": dict(_OFFLOAD),
+                "offload_optimizer": dict(_NVME)},
 }
 
 # Which DeepSpeed variant each shardwise variant is compared with in the "x ds" column.
@@ -102,6 +108,7 @@ MATCHING_DS = {
     "sw_z3": "ds_z3",
     "sw_z3_offload": "ds_z3_offload",
     "sw_z3_offload_dpu": "ds_z3_offload",
+    "sw_z3_nvme": "ds_z3_nvme",
     "sw_z2_compile": "ds_z2_compile",
     "sw_z2_compile_module": "ds_z2_compile",
     "sw_z2_monitors": "ds_z2",
@@ -110,6 +117,42 @@ MATCHING_DS = {
 
 #: Environment variable that carries --compile-backend from the parent to the workers.
 COMPILE_BACKEND_ENV = "TRAIN_BENCH_COMPILE_BACKEND"
+
+
+#: Environment variable that carries --nvme-path from the parent to the workers.
+NVME_PATH_ENV = "TRAIN_BENCH_NVME_PATH"
+
+
+def nvme_zero(zero: dict[str, Any]) -> dict[str, Any]:
+    """``zero`` with ``nvme_path`` filled in where a section offloads to NVMe."""
+    out = dict(zero)
+    for key in ("offload_optimizer", "offload_param"):
+        section = out.get(key)
+        if isinstance(section, dict) and section.get("device") == "nvme":
+            out[key] = {**section, "nvme_path": os.environ.get(NVME_PATH_ENV)
+                        or tempfile.gettempdir()}
+    return out
+
+
+def deepspeed_aio_error() -> str | None:
+    """None when DeepSpeed's async_io op (which its NVMe offload needs) loads, else why not,
+    in DeepSpeed's own words (it needs libaio, which a machine may not have)."""
+    import io
+
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    builder = AsyncIOBuilder()
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        compatible = builder.is_compatible(verbose=True)
+    if not compatible:
+        return ("DeepSpeed's async_io op is not compatible here (AsyncIOBuilder().is_compatible() "
+                f"is False): {' '.join(said.getvalue().split())[-600:]}")
+    try:
+        builder.load()
+    except Exception as exc:  # the JIT build: report its error, do not crash the run
+        return f"AsyncIOBuilder().load() failed: {type(exc).__name__}: {exc}"
+    return None
 
 
 def compile_backend() -> str:
@@ -328,10 +371,14 @@ def engine_step(engine: Any, batches: list[torch.Tensor]) -> StepFn:
 def _setup_deepspeed(model, batches, cfg, device, zero_key: str) -> StepFn:
     import deepspeed
 
+    if "nvme" in zero_key:
+        problem = deepspeed_aio_error()
+        if problem is not None:
+            raise RuntimeError(problem)
     set_single_process_env()
     deepspeed.init_distributed(dist_backend=backend_for(device))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=engine_config(cfg, ZERO_SECTIONS[zero_key]))
+                                           config=engine_config(cfg, nvme_zero(ZERO_SECTIONS[zero_key])))
     return engine_step(engine, batches)
 
 
@@ -340,7 +387,7 @@ def _setup_shardwise(model, batches, cfg, device, zero_key: str) -> StepFn:
 
     set_single_process_env()
     engine, _, _, _ = shardwise.initialize(model=model,
-                                           config=engine_config(cfg, ZERO_SECTIONS[zero_key]))
+                                           config=engine_config(cfg, nvme_zero(ZERO_SECTIONS[zero_key])))
     return engine_step(engine, batches)
 
 
@@ -464,6 +511,9 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "ds_z1": _bind(_setup_deepspeed, "z1"),
     "sw_z3_offload": _bind(_setup_shardwise, "z3_offload"),
     "sw_z3_offload_dpu": _bind(_setup_shardwise, "z3_offload_dpu"),
+    "sw_z2_nvme": _bind(_setup_shardwise, "z2_nvme"),
+    "sw_z3_nvme": _bind(_setup_shardwise, "z3_nvme"),
+    "ds_z3_nvme": _bind(_setup_deepspeed, "z3_nvme"),
     "fsdp2_compile": setup_fsdp2_compile,
     "ds_z2_compile": setup_ds_z2_compile,
     "sw_z2_compile": setup_sw_z2_compile,
@@ -757,6 +807,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default=None,
                    help=f"torch.compile backend of the *_compile variants (default inductor; "
                         f"aot_eager smoke-tests them on a CPU without a C++ compiler)")
+    p.add_argument("--nvme-path", default=None,
+                   help="folder for the *_nvme variants' swap files (a fresh temporary folder "
+                        "under $TMPDIR or /tmp, removed at the end, when not given)")
     p.add_argument("--ds-prebuild", action="store_true",
                    help="JIT-build DeepSpeed's Adam ops once before the DeepSpeed variants")
     p.add_argument("--verbose", action="store_true", help="echo each worker's log to stderr")
@@ -803,6 +856,12 @@ def main(argv: list[str] | None = None) -> int:
     check_args(args, names)
     if args.compile_backend:  # the workers inherit the parent's environment
         os.environ[COMPILE_BACKEND_ENV] = args.compile_backend
+    nvme_tmp = None
+    if any("nvme" in n for n in names):
+        if args.nvme_path is None:
+            nvme_tmp = tempfile.TemporaryDirectory(prefix="train_bench_nvme_")
+        os.environ[NVME_PATH_ENV] = args.nvme_path or nvme_tmp.name
+        print(f"[train_bench] NVMe swap files under {os.environ[NVME_PATH_ENV]}", flush=True)
     cfg = config_from_args(args)
     tmp = None
     if args.log_dir is None:
@@ -857,6 +916,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nresults: {args.out}")
     if tmp is not None:
         tmp.cleanup()
+    if nvme_tmp is not None:
+        nvme_tmp.cleanup()
     return 0
 
 

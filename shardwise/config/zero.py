@@ -20,7 +20,8 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 
 class OffloadOptimizerConfig(ConfigModel):
     """``zero_optimization.offload_optimizer``: fp32 master weights and optimizer states live
-    on the CPU (or NVMe) and the optimizer step runs on the CPU. Valid with stages 1-3."""
+    on the CPU (or in swap files on NVMe) and the optimizer step runs on the CPU. Valid with
+    stages 1-3 (DeepSpeed: NVMe with stage 3 only)."""
 
     deepspeed_only = {
         "super_offload": "SuperOffload is not implemented",
@@ -29,21 +30,24 @@ class OffloadOptimizerConfig(ConfigModel):
     }
 
     device: OffloadDevice = "none"
-    """Where optimizer states live: "none" (accelerator) or "cpu"; "nvme" loads but
-    ``initialize()`` refuses it (NVMe offload is not implemented)."""
+    """Where optimizer states live: "none" (accelerator), "cpu" (host memory) or "nvme"
+    (per-rank swap files under nvme_path, streamed through pinned buffers at the step)."""
     nvme_path: Optional[str] = None
-    """NVMe swap directory; required with device "nvme" (which initialize refuses: NVMe
-    offload is not implemented)."""
+    """NVMe swap directory; required with device "nvme". Each rank's files go to
+    ``<nvme_path>/shardwise_swap/<run>-rank<N>/``, made (with a probe write) at initialize and
+    removed by engine.destroy() and at interpreter exit."""
     pin_memory: bool = False
     """Use page-locked CPU buffers: faster, asynchronous host<->device copies, more RAM locked."""
     buffer_count: int = Field(4, ge=0)
-    """NVMe key; no effect (NVMe offload is not implemented)."""
+    """NVMe: pinned buffers the sub-groups stream through (at least 2; with 3 or more, reading
+    the next sub-group, stepping one and writing the previous one back overlap)."""
     pipeline_read: bool = False
-    """NVMe key; no effect (NVMe offload is not implemented)."""
+    """NVMe key; no effect: shardwise always reads the next sub-group ahead."""
     pipeline_write: bool = False
-    """NVMe key; no effect (NVMe offload is not implemented)."""
+    """NVMe key; no effect: shardwise always writes sub-groups back behind the step."""
     fast_init: bool = False
-    """NVMe key; no effect (NVMe offload is not implemented)."""
+    """NVMe key; no effect: initialize always writes each sub-group's masters once, with
+    zeroed states."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of optimizer states offloaded (the rest stay on the accelerator). DeepSpeed
     allows < 1.0 with stage 3 only."""
@@ -169,8 +173,9 @@ class ZeroConfig(ConfigModel):
     offload_param: Optional[OffloadParamConfig] = None
     """Parameter offload (stage 3 only); see its keys."""
     sub_group_size: int = Field(1_000_000_000, ge=0)
-    """DeepSpeed key; no effect: offloaded optimizer steps go bucket by bucket (stages 1-2)
-    or parameter by parameter (stage 3)."""
+    """Stage 3 with offload_optimizer on NVMe: elements per swap-file sub-group (100M when
+    not set: DeepSpeed's 1e9 would make each pinned buffer 12 GB for AdamW). Otherwise no
+    effect: offloaded steps go bucket by bucket (stages 1-2) or parameter by parameter."""
     prefetch_bucket_size: int = Field(50_000_000, ge=0)
     """Stage 3: parameter elements prefetched ahead of use ("auto": 0.9 * hidden_size**2)."""
     param_persistence_threshold: int = Field(100_000, ge=0)

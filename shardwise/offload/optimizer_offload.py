@@ -30,7 +30,7 @@ large ``reduce_bucket_size`` is.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 
@@ -39,6 +39,9 @@ from ..monitor.copy_timers import D2H, H2D, OffloadCopyTimer, copy_span
 from .buffers import HostBucket
 from .cpu_worker import cpu_step_pool, detached_step
 from .step_subset import step_subset
+
+if TYPE_CHECKING:
+    from .nvme_states import NvmeOptimizerStates
 
 #: fp32 elements of the device staging buffer (64 MiB).
 STAGING_ELEMS = 16 * 1024 * 1024
@@ -66,6 +69,9 @@ class OptimizerOffload:
         self.steps_done = 0
         self.copy_timer: Optional[OffloadCopyTimer] = None
         """``wall_clock_breakdown``: times the copies (set by the engine; None: off)."""
+        self.nvme: Optional["NvmeOptimizerStates"] = None
+        """``offload_optimizer.device`` "nvme": the buckets' masters and states live in swap
+        files, one sub-group per bucket, streamed through at the step (nvme_states.py)."""
         self._futures: List[Future] = []
         self._eager_order: List[HostBucket] = []
         self._grad_events: dict = {}
@@ -167,6 +173,10 @@ class OptimizerOffload:
              factor_fn: Callable[[], Optional[float]]) -> None:
         """Run (or finish) this step's CPU update. ``factor_fn`` gives the multiply the engine
         computed (unscale, averaging, clipping), or None when nothing needs scaling."""
+        if self.nvme is not None:  # --- NVMe: the buckets streamed through the swap ring
+            self._nvme_step(inner, factor_fn())
+            self.steps_done += 1
+            return
         delayed = self.delayed and self.steps_done >= self.warmup
         if eager and not delayed:
             # each bucket's host-to-device copy starts as soon as its CPU step is done, while
@@ -191,6 +201,19 @@ class OptimizerOffload:
         if not delayed and not eager:
             self._copy_params_to_device()
         self.steps_done += 1
+
+    def _nvme_step(self, inner: torch.optim.Optimizer, factor: Optional[float]) -> None:
+        """Each bucket in turn from its swap file: step it, copy its masters to the device."""
+        def step(i: int) -> None:
+            self._step_buckets(inner.step, [self.buckets[i]], factor)
+
+        def to_device(i: int):
+            bucket = self.buckets[i]
+            self._copy_params_to_device([bucket])
+            event = self._h2d_events.get(bucket.index) if self.cuda else None
+            return event.synchronize if event is not None else None
+
+        self.nvme.step_groups(step, to_device)
 
     def wait_tasks(self) -> None:
         for fut in self._futures:
@@ -232,3 +255,5 @@ class OptimizerOffload:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        if self.nvme is not None:
+            self.nvme.close()

@@ -172,7 +172,7 @@ class DeepSpeedQueriesMixin:
         return self.config.zero_optimization.offload_optimizer_device == "cpu"
 
     def zero_nvme_offload_optimizer(self) -> bool:
-        return False  # NVMe offload is refused at initialize
+        return self.config.zero_optimization.offload_optimizer_device == "nvme"
 
     def zero_partial_offload(self) -> float:
         opt = self.config.zero_optimization.offload_optimizer
@@ -308,6 +308,12 @@ class DeepSpeedQueriesMixin:
 
     def aio_config(self) -> Dict[str, Any]:
         return self.config.aio.model_dump()
+
+    def swap_tensor_config(self) -> Optional[Dict[str, Any]]:
+        """The optimizer's NVMe swap settings (the ``offload_optimizer`` section: nvme_path,
+        buffer_count, ...) when it offloads to NVMe, else None."""
+        oo = self.config.zero_optimization.offload_optimizer
+        return oo.model_dump() if oo is not None and oo.device == "nvme" else None
 
     # --- features shardwise does not have: their switches read "off" -----------------------------
     def elasticity_enabled(self) -> bool:

@@ -89,8 +89,6 @@ UNSUPPORTED_METHODS: Dict[str, Missing] = {
     "zeropp_loco_param": Missing("ZeRO++ (LoCo) is not implemented", "use plain ZeRO stages 1-3"),
     "zero_save_muon_momentum_buffer_in_memory": Missing("there is no Muon optimizer",
                                                         "pick an optimizer from shardwise.optim"),
-    "swap_tensor_config": Missing("NVMe offload is not implemented (offload device \"nvme\" is "
-                                  "refused at initialize)", "offload to \"cpu\""),
     "checkpoint_serialization_enabled": Missing(
         "checkpoints have one format (safetensors tensors plus JSON metadata)",
         "nothing to choose; `shardwise convert` exports other formats"),

@@ -105,6 +105,7 @@ def _grad_accum_dtype(cfg: ShardwiseConfig) -> torch.dtype:
 def _build_strategy(cfg: ShardwiseConfig, model: torch.nn.Module, groups, frozen,
                     device: torch.device, dp_group):
     zero = cfg.zero_optimization
+    _check_nvme_optimizer(zero)
     if zero.stage == 3:
         from ..zero.stage3 import Stage3Strategy
         return Stage3Strategy(config=cfg, module=model, param_groups=groups, frozen=frozen,
@@ -114,10 +115,7 @@ def _build_strategy(cfg: ShardwiseConfig, model: torch.nn.Module, groups, frozen
     if oo is not None and getattr(oo, "delayed_update", False) and float(getattr(oo, "ratio", 1.0)) < 1.0:
         raise ConfigError(f"zero_optimization.offload_optimizer: delayed_update needs ratio 1.0 "
                           f"(got ratio {oo.ratio}); the delayed update applies to the whole optimizer")
-    if offload == "nvme":
-        raise ConfigError("zero_optimization.offload_optimizer.device \"nvme\" is not supported "
-                          "(NVMe offload is not implemented in shardwise); use \"cpu\"")
-    if offload == "cpu" and zero.stage == 0:
+    if offload in ("cpu", "nvme") and zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs stage >= 1 (got stage 0); set "
                           "\"stage\": 1 or 2")
     from ..zero.data_parallel import DataParallelStrategy
@@ -130,12 +128,28 @@ def _build_strategy(cfg: ShardwiseConfig, model: torch.nn.Module, groups, frozen
                          else zero.reduce_bucket_size),
         overlap_comm=bool(zero.overlap_comm),
         comm_dtype=cfg.communication_dtype, predivide=float(cfg.gradient_predivide_factor),
-        offload_device=torch.device("cpu") if offload == "cpu" else None,
+        offload_device=torch.device("cpu") if offload in ("cpu", "nvme") else None,
+        nvme_config=cfg if offload == "nvme" else None,
         pin_memory=bool(oo and oo.pin_memory), offload_ratio=float(getattr(oo, "ratio", 1.0) or 1.0),
         delayed_update=bool(getattr(oo, "delayed_update", False)),
         delayed_update_warmup=int(getattr(oo, "delayed_update_warmup", 0) or 0),
         eager_offload_step=not cfg.fp16.enabled and not float(cfg.gradient_clipping or 0) > 0,
         grad_dtype=_grad_accum_dtype(cfg), frozen=frozen)
+
+
+def _check_nvme_optimizer(zero) -> None:
+    """``offload_optimizer.device: "nvme"``: what it cannot be combined with."""
+    oo = zero.offload_optimizer
+    if zero.offload_optimizer_device != "nvme":
+        return
+    if getattr(oo, "delayed_update", False):
+        raise ConfigError("zero_optimization.offload_optimizer: delayed_update needs device \"cpu\" "
+                          "(got \"nvme\": the states are streamed from the swap files at the step, "
+                          "so there is no background step to delay); drop delayed_update or use "
+                          "\"device\": \"cpu\"")
+    if float(getattr(oo, "ratio", 1.0)) < 1.0:
+        raise ConfigError(f"zero_optimization.offload_optimizer: ratio {oo.ratio} needs device "
+                          "\"cpu\"; with \"nvme\" every optimizer state is offloaded (ratio 1.0)")
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
@@ -188,8 +202,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
         _apply_fp8(cfg, model, device)
     # stage 3 with optimizer offload steps CPU masters: pick the CPU's fused kernels
     zero = cfg.zero_optimization
-    opt_device = (torch.device("cpu") if zero.stage == 3 and zero.offload_optimizer_device == "cpu"
-                  else device)
+    opt_device = (torch.device("cpu")
+                  if zero.stage == 3 and zero.offload_optimizer_device in ("cpu", "nvme") else device)
     opt = _build_optimizer(optimizer, cfg, params, opt_device)
     groups, frozen = _named_groups(model, opt)
     if opt is not None and type(opt).__name__ == "Lamb" and cfg.zero_optimization.stage >= 1 and world > 1:

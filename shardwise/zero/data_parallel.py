@@ -12,7 +12,7 @@ fp32 bucket buffers and are reduced once, on the boundary micro step.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,10 +35,12 @@ class DataParallelStrategy(ZeroStrategy):
                  offload_ratio: float = 1.0, delayed_update: bool = False,
                  delayed_update_warmup: int = 0, eager_offload_step: bool = False,
                  grad_dtype: torch.dtype = torch.float32, frozen: Sequence[tuple] = (),
-                 separate_masters: bool = False) -> None:
+                 separate_masters: bool = False, nvme_config: Any = None) -> None:
         """``separate_masters``: fp32 masters apart from the weights even where they could
         share memory (fp32, nothing partitioned), so the weights can lag the masters (a
-        delayed update)."""
+        delayed update). ``nvme_config``: the engine config when ``offload_optimizer`` is
+        on NVMe (the offloaded masters and states then live in swap files)."""
+        self._nvme_config = nvme_config
         self.stage = stage
         self.group = group
         self.world, self.rank = group_world_rank(group)
@@ -93,10 +95,13 @@ class DataParallelStrategy(ZeroStrategy):
                                              warmup=delayed_update_warmup)
             self.pipeline.resident = [s.master for b in self.buckets if not b.offloaded
                                       for s in b.slots if s.master is not None]
+            if self._nvme_config is not None:  # NVMe: offload/nvme_states.py owns the masters
+                from ..offload.nvme_states import for_buckets
+                self.pipeline.nvme = for_buckets(self._nvme_config, offloaded)
         # eager: step each offloaded bucket on the CPU while backward still runs (the update
         # needs no global information: no clipping, no loss scale, everything offloaded)
         self.eager = (self.pipeline is not None and eager_offload_step and not delayed_update
-                      and len(offloaded) == len(self.buckets))
+                      and len(offloaded) == len(self.buckets) and self._nvme is None)
         # host accumulation (offloaded buckets of low-precision models): every micro step, as
         # soon as a bucket's gradients are complete, they are reduced and streamed into its
         # pinned fp32 partition and the device buffer is freed, as DeepSpeed does; gradient
@@ -135,7 +140,8 @@ class DataParallelStrategy(ZeroStrategy):
                                       compute_dtype=compute_dtype, device=device,
                                       master_device=offload_device if offloaded else device,
                                       pin=pin_memory, grad_dtype=grad_dtype,
-                                      separate_master=offloaded or separate_masters)
+                                      separate_master=offloaded or separate_masters,
+                                      pin_master=pin_memory and self._nvme_config is None)
                 bucket.offloaded = offloaded
                 bucket.grad_is_master = bucket.master_grad.data_ptr() == bucket.grad_buf.data_ptr()
                 self.buckets.append(bucket)
@@ -144,6 +150,13 @@ class DataParallelStrategy(ZeroStrategy):
 
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
         self.inner = inner
+        if self._nvme is not None:
+            self._nvme.bind(inner)
+
+    @property
+    def _nvme(self):
+        """The NVMe swap of the offloaded masters and states (None: they are in host memory)."""
+        return getattr(self.pipeline, "nvme", None)
 
     # --- parameter groups for the inner optimizer -------------------------------------
     def master_param_groups(self) -> List[List[torch.Tensor]]:
@@ -335,6 +348,8 @@ class DataParallelStrategy(ZeroStrategy):
 
     def shard_views(self) -> List[ShardView]:
         self.flush()
+        if self._nvme is not None:
+            self._nvme.materialize()  # masters and states from swap, until the next step
         views = []
         for bucket in self.buckets:
             for slot in bucket.slots:
@@ -351,6 +366,8 @@ class DataParallelStrategy(ZeroStrategy):
 
     def refresh_after_load(self, weights_only: bool = False) -> None:
         self.flush()
+        if self._nvme is not None:
+            self._nvme.materialize()
         with torch.no_grad():
             for bucket in self.buckets:
                 own = bucket.param_buf[bucket.lo:bucket.hi]
@@ -366,14 +383,21 @@ class DataParallelStrategy(ZeroStrategy):
                         all_gather_flat(b.param_buf, b.param_buf[b.lo:b.hi], group=self.group)
                 for _, p in self.frozen:
                     comm.broadcast(p.data, src=_global_rank(self.group, 0), group=self.group)
+        if self._nvme is not None:
+            self._nvme.dematerialize(write=True)  # the loaded values into the swap files
 
     def refresh_master_of(self, param: torch.nn.Parameter) -> None:
         """``param``'s weight was overwritten in place (``GatheredParameters`` with a
         modifier rank): copy this rank's slice into its separate fp32 master, if it has one."""
         _, slot = self._slot_of[param]
         if slot.master is not None and slot.master.data_ptr() != param.data.data_ptr():
-            with torch.no_grad():
-                slot.master.copy_(param.data.reshape(-1)[slot.own_lo:slot.own_hi])
+            def refresh(master: torch.Tensor) -> None:
+                with torch.no_grad():
+                    master.copy_(param.data.reshape(-1)[slot.own_lo:slot.own_hi])
+            if self._nvme is not None:
+                self._nvme.edit(slot.master, refresh)  # its sub-group is in a swap file
+            else:
+                refresh(slot.master)
 
     def no_sync_allowed(self) -> Optional[str]:
         if self.stage >= 2:

@@ -94,8 +94,10 @@ def plan_buckets(named_params: Sequence[tuple], bucket_elems: int) -> List[List[
 def build_bucket(index: int, group_index: int, run: List[tuple], *, world: int, rank: int,
                  partitioned: bool, compute_dtype: torch.dtype, device: torch.device,
                  master_device: torch.device, pin: bool, separate_master: bool = False,
-                 grad_dtype: torch.dtype = torch.float32) -> Bucket:
-    """Allocate one bucket's buffers and point the parameters' data into ``param_buf``."""
+                 grad_dtype: torch.dtype = torch.float32, pin_master: Optional[bool] = None) -> Bucket:
+    """Allocate one bucket's buffers and point the parameters' data into ``param_buf``.
+    ``pin_master``: pin the host masters (default: as ``pin``; NVMe offload moves them to
+    swap files at once, and freed pinned memory stays cached by the allocator)."""
     total = sum(p.numel() for _, p in run)
     numel = -(-total // world) * world if partitioned else total
     lo, hi = (rank * (numel // world), (rank + 1) * (numel // world)) if partitioned else (0, numel)
@@ -118,7 +120,7 @@ def build_bucket(index: int, group_index: int, run: List[tuple], *, world: int, 
         master, master_grad = param_buf, grad_buf
     else:
         master = param_buf[lo:hi].to(device=master_device, dtype=torch.float32, copy=True)
-        if master_device != device and pin:
+        if master_device != device and (pin if pin_master is None else pin_master):
             master = get_accelerator().pin_memory(master)  # masters are DMA'd straight to the device
         if partitioned or master_device != device or separate_master or grad_dtype != torch.float32:
             master_grad = torch.zeros(hi - lo, dtype=torch.float32, device=master_device)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--hidden", "32", "--intermediate", "64", "--heads", "2",
         "--kv-heads", "1", "--vocab", "128", "--seq", "16", "--micro-batch", "2"]
@@ -30,6 +32,18 @@ def test_tiny_trials_train_and_report_model_state_bytes(tmp_path: Path) -> None:
         assert len(row["losses"]) == 3 and row["step_s"] > 0
     assert rows[1]["n_params"] > rows[0]["n_params"]
     assert "largest that trained, sw" in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_nvme_trials_train_and_the_host_cap_stops_a_trial(tmp_path: Path) -> None:
+    swap = tmp_path / "swap"
+    proc, rows = _run(tmp_path, "--sw-layers", "1", "--optimizer-device", "nvme",
+                      "--nvme-path", str(swap))
+    assert "error" not in rows[0], rows[0]
+    assert "offload_optimizer (nvme" in proc.stdout
+    assert not list(swap.glob("shardwise_swap/*"))  # removed when the trial's process ended
+    proc, rows = _run(tmp_path, "--sw-layers", "1,2", "--host-cap-gib", "0.01")
+    assert len(rows) == 1 and "host cap exceeded" in rows[0]["error"]
 
 
 def test_watchdog_stops_a_trial_when_host_memory_runs_low(tmp_path: Path) -> None:

@@ -25,8 +25,7 @@ from .partition import GATHERED, Partitioner, PartitionedParam, group_info, reco
 
 
 def refuse_nvme(zero) -> None:
-    for key, dev in (("offload_param", zero.offload_param_device),
-                     ("offload_optimizer", zero.offload_optimizer_device)):
+    for key, dev in (("offload_param", zero.offload_param_device),):
         if dev == "nvme":
             raise ConfigError(f"zero_optimization.{key}.device = \"nvme\" is not supported by "
                               "shardwise (no async-IO extension is compiled); use \"cpu\"")

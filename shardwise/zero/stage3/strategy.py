@@ -43,7 +43,8 @@ from ...offload.background_step import submit_background_step
 from ...offload.cpu_worker import cpu_step_pool, detached_step
 from ...offload.host_grads import HostGradAccumulator, alloc_host
 from ...offload.eager_steps import EagerSteps
-from ...offload.step_subset import HiddenGrads
+from ...offload.nvme_states import NvmeOptimizerStates, pieces_on_nvme, placeholder
+from ...offload.step_subset import HiddenGrads, step_subset
 from ...utils.logging import log_dist
 from ..data_parallel import DataParallelStrategy
 from ..shard_view import ShardView
@@ -85,6 +86,10 @@ class Stage3Strategy(ZeroStrategy):
             [p for _, p in named if not persistent[id(p)]] for named in param_groups]
         self.frozen_parts = [p for _, p in frozen if not persistent[id(p)]]
         self._build_masters()
+        self.nvme: Optional[NvmeOptimizerStates] = (
+            pieces_on_nvme(config, [(self.piece[pid], self.rec[pid].shard[:self.rec[pid].own_len])
+                                    for pid in self.piece]) if self.nvme_opt else None)
+        """``offload_optimizer.device`` "nvme": the pieces' masters and states in swap files."""
         self._bg: Optional[Future] = None
         """The background (delayed) step of the last boundary, not yet in the weights."""
         # DPU with host shards: the background step also writes its result, into a second
@@ -129,7 +134,8 @@ class Stage3Strategy(ZeroStrategy):
         self.gather_on_save = bool(zero.gather_16bit_weights_on_model_save)
         self.reduce_bucket = max(1, int(zero.reduce_bucket_size))
         self.offload_param = zero.offload_param_device == "cpu"
-        self.offload_opt = zero.offload_optimizer_device == "cpu"
+        self.offload_opt = zero.offload_optimizer_device in ("cpu", "nvme")
+        self.nvme_opt = zero.offload_optimizer_device == "nvme"
         self.pin_param = bool(self.offload_param and zero.offload_param.pin_memory)
         self.pin_opt = bool(self.offload_opt and zero.offload_optimizer.pin_memory)
         cpu = torch.device("cpu")
@@ -145,7 +151,7 @@ class Stage3Strategy(ZeroStrategy):
         # last gradient is on the host when nothing global changes it (no clipping, no loss
         # scale), so the worker steps it while backward still runs on earlier layers
         self.eager = (self.offload_opt and not self.delayed and not self._fp16
-                      and not float(config.gradient_clipping or 0) > 0)
+                      and not float(config.gradient_clipping or 0) > 0 and not self.nvme_opt)
 
     def _build_whole(self, config, groups: List[List[tuple]],
                      frozen: List[tuple]) -> DataParallelStrategy:
@@ -199,14 +205,17 @@ class Stage3Strategy(ZeroStrategy):
         """The partition record of each partitioned parameter the strategy trains or skips."""
         for params in self.trainable:
             total = sum(self.rec[id(p)].own_len for p in params)
-            master = alloc_host(total, self.master_device, self.pin_opt)
+            # NVMe: no host masters; each piece gets its values while its sub-group is stepped
+            master = (placeholder(total) if self.nvme_opt
+                      else alloc_host(total, self.master_device, self.pin_opt))
             grads = [alloc_host(total, self.master_device, self.pin_opt)
                      for _ in range(2 if self.delayed else 1)]
             off = 0
             for p in params:
                 meta = self.rec[id(p)]
                 view = master[off:off + meta.own_len]
-                view.copy_(meta.shard[:meta.own_len])
+                if not self.nvme_opt:
+                    view.copy_(meta.shard[:meta.own_len])
                 view.grad = grads[0][off:off + meta.own_len]
                 if meta.own_len:
                     self.piece[id(p)] = view
@@ -345,12 +354,40 @@ class Stage3Strategy(ZeroStrategy):
                 if g.numel():
                     g.mul_(factor.to(g.device))
         if not self._delayed_now:
+            if self.nvme is not None:
+                self._nvme_step(inner, factor)
+                return
             if self.delayed:
                 self._attach_piece_grads(self.grad_of)
             # scales the persistent parameters' gradients too, then runs inner.step() once
             self.whole.optimizer_step(inner, factor)
             return
         self._delayed_step(inner, factor)
+
+    # --- offload_optimizer on NVMe (offload/nvme_states.py) ---------------------------------
+    def _nvme_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
+        """The persistent masters (on the device), then the pieces' sub-groups streamed from
+        the swap files, each written into its shards as soon as it is stepped."""
+        self._attach_piece_grads(None)
+        self.whole.optimizer_step(inner, factor)  # the pieces have no gradient attached
+        whole = [m for group in self.whole.master_param_groups() for m in group]
+        pid_of = {id(piece): pid for pid, piece in self.piece.items()}
+        self.params.before_shard_write()
+
+        def step(i: int) -> None:
+            keys = self.nvme.groups[i].keys
+            step_subset(inner.step, [(k, self.grad_of[pid_of[id(k)]]) for k in keys], hide=whole)
+
+        def to_device(i: int):
+            for key in self.nvme.groups[i].keys:
+                self.rec[pid_of[id(key)]].storage.write_(key, non_blocking=True)
+            if self.offload_param or self.device.type != "cuda":
+                return None
+            done = get_accelerator().Event()
+            done.record(get_accelerator().current_stream(self.device))
+            return done.synchronize  # the ring buffer is read again only after this copy
+
+        self.nvme.step_groups(step, to_device)
 
     # --- delayed parameter update (DPU) ----------------------------------------------------
     def _delayed_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
@@ -415,6 +452,8 @@ class Stage3Strategy(ZeroStrategy):
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
         self._inner = inner
         self.eager_steps.inner = inner
+        if self.nvme is not None:
+            self.nvme.bind(inner)
         self.whole.bind_optimizer(inner)
 
     def flush(self) -> None:
@@ -429,7 +468,8 @@ class Stage3Strategy(ZeroStrategy):
             self.gathers.sweep()
             return  # written at the next boundary (or by flush), one step late by design
         self._acc.wait()
-        self._write_shards(skip=self.eager_steps.stepped if self.offload_param else set())
+        skip = self.eager_steps.stepped if self.offload_param else set()
+        self._write_shards(skip=set(self.piece) if self.nvme is not None else skip)
         self.eager_steps.stepped = set()
         self.whole.after_step(applied)
 
@@ -470,6 +510,8 @@ class Stage3Strategy(ZeroStrategy):
     # --- checkpoint contract -------------------------------------------------------------
     def shard_views(self) -> List[ShardView]:
         self.flush()
+        if self.nvme is not None:
+            self.nvme.materialize()  # masters and states from swap, until the next step
         views = []
         for p in [p for params in self.trainable for p in params] + self.frozen_parts:
             meta = self.rec[id(p)]
@@ -481,6 +523,8 @@ class Stage3Strategy(ZeroStrategy):
     def refresh_after_load(self, weights_only: bool = False) -> None:
         self.flush()
         self._acc.wait()
+        if self.nvme is not None:
+            self.nvme.materialize()
         self.params.before_shard_write()
         with torch.no_grad():
             for params in self.trainable:
@@ -493,6 +537,8 @@ class Stage3Strategy(ZeroStrategy):
                         piece.copy_(storage.tensor()[:piece.numel()])
                     else:
                         storage.write_(piece)
+        if self.nvme is not None:
+            self.nvme.dematerialize(write=True)  # the loaded values into the swap files
         self.whole.refresh_after_load(weights_only)
 
     def no_sync_allowed(self) -> Optional[str]:
@@ -504,6 +550,10 @@ class Stage3Strategy(ZeroStrategy):
         if piece is None:
             return
         rec = self.rec[id(p)]
+        if self.nvme is not None:  # its sub-group is in a swap file
+            with torch.no_grad():
+                self.nvme.edit(piece, lambda m: m.copy_(rec.shard[:m.numel()]))
+            return
         with torch.no_grad():
             if self._bg is not None:
                 # a delayed update is still pending: it reaches every weight first (it would
@@ -518,6 +568,8 @@ class Stage3Strategy(ZeroStrategy):
         if self._bg_pool is not None:
             self._bg_pool.shutdown(wait=True)
         self._acc.close()
+        if self.nvme is not None:
+            self.nvme.close()
         for h in self._grad_hooks:
             h.remove()
         self.params.remove_hooks()
