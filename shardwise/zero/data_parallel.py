@@ -382,7 +382,10 @@ class DataParallelStrategy(ZeroStrategy):
         return None
 
     def remove_hooks(self) -> None:
-        """Give the parameters back to plain autograd: no hooks, no gradient views."""
+        """Give the parameters back to plain autograd: no hooks, no gradient views (and stop
+        the offload worker)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
