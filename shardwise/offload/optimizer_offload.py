@@ -172,16 +172,14 @@ class OptimizerOffload:
             return
         self.wait_tasks()  # DPU: the previous step's update, normally long finished
         if delayed:
+            # that update reaches the device; this one runs in the background until the next
+            # step, on a snapshot (the scheduler changes the rates as soon as this returns)
             self._copy_params_to_device()
-        factor = factor_fn()
-        if delayed:
-            # the scheduler changes the rates as soon as this returns: step a snapshot
             self.schedule.submit_delayed(self._step_buckets, detached_step(inner),
-                                         self.buckets, factor)
+                                         self.buckets, factor_fn())
             return
-        self._step_buckets(inner.step, self.buckets, factor)
-        if not eager:
-            self._copy_params_to_device()
+        self._step_buckets(inner.step, self.buckets, factor_fn())
+        self._copy_params_to_device()
 
     def wait_tasks(self) -> None:
         self.schedule.wait()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .. import comm
 from ..accelerator import get_accelerator
 from ..checkpoint.contract import CheckpointableEngine, CheckpointSettings, whole_views
+from ..comm.topology import group_world_rank
 from ..comm import all_reduce, configure as configure_comms_logger, get_local_rank
 from ..profiling.engine_profile import EngineProfile
 from ..config import ShardwiseConfig
@@ -57,8 +58,8 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module, CheckpointableEngin
         self.loss_scaler = loss_scaler
         self.pending_save: Any = None
         """A background checkpoint save (``checkpoint.async_save``) not finished yet."""
-        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        self.global_rank = group_world_rank(None)[1]
+        self.world_size = group_world_rank(dp_group)[0]
         self.local_rank = get_local_rank()
         self.global_steps = 0
         self.global_samples = 0

@@ -36,8 +36,7 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 import torch.distributed as dist
 
-from ...accelerator import get_accelerator
-from ...monitor.copy_timers import H2D, OffloadCopyTimer, copy_span
+from ...monitor.copy_timers import OffloadCopyTimer
 from ...offload.background_step import background_step
 from ...offload.cpu_worker import detached_step
 from ...offload.eager_steps import EagerSteps
@@ -52,7 +51,7 @@ from ..strategy import ZeroStrategy
 from .grad_reduce import GradReducer
 from .params import Stage3Params
 from .partition import PartitionedParam
-from .storage import TensorShard
+from .master_shards import MasterShards
 
 
 class Stage3Strategy(ZeroStrategy):
@@ -157,10 +156,10 @@ class Stage3Strategy(ZeroStrategy):
         log_dist(f"ZeRO stage 3: masters on {self.master_device}", ranks=[0])
         if self.delayed:
             spare = self.masters.spare_bytes()
-            spare += sum(t.numel * t.tensor().element_size() for t in self._spare_shards.values())
+            spare += self.shards.spare_bytes()
             log_dist(f"ZeRO stage 3: delayed parameter update after {self.delay_warmup} "
                      f"step(s); a second set of host gradient partitions"
-                     f"{' and parameter shards' if self._spare_shards else ''} holds "
+                     f"{' and parameter shards' if self.shards.spare else ''} holds "
                      f"{spare / 2**30:.2f} GiB on this rank", ranks=[0])
 
     def _build_masters(self) -> None:
@@ -179,18 +178,17 @@ class Stage3Strategy(ZeroStrategy):
                 self.rec[id(p)].on_modified = self._refresh_master
 
     def _build_offload_step(self) -> None:
-        """When the masters are stepped (:class:`StepSchedule`), the eager window and, for
-        DPU, the spare shards its background step writes."""
+        """When the masters are stepped (:class:`StepSchedule`), the eager window and where
+        the stepped masters go (:class:`MasterShards`)."""
         self.schedule = StepSchedule(delayed=self.delayed, warmup=self.delay_warmup,
                                      name="shardwise-dpu", worker=self.delayed)
         # DPU with host shards: the background step also writes its result, into a second
         # set of shards swapped in at the next boundary (the step's critical path then holds
         # no pass over the model on the CPU); shards on the device are written at the swap
-        self._spare_shards: Dict[int, TensorShard] = {
-            id(p): TensorShard.copy_of(self.rec[id(p)].shard, self.shard_device,
-                                       self.compute_dtype, self.pin_param)
-            for params in self.trainable for p in params
-            if self.delayed and self.offload_param and id(p) in self.piece}
+        self.shards = MasterShards(params=self.params, rec=self.rec, pieces=self.piece,
+                                   device=self.device, spare=self.delayed and self.offload_param,
+                                   pin=self.pin_param,
+                                   masters_on_host=self.offload_opt and not self.offload_param)
         self._bg_hidden = HiddenGrads()
         """Persistent masters' gradients, hidden from the background step."""
         self._acc = HostGradAccumulator(self.device, self.master_device)
@@ -198,7 +196,7 @@ class Stage3Strategy(ZeroStrategy):
         self.eager_steps = EagerSteps(
             pieces=self.piece, grads=lambda: self.grad_of, batch_elems=self.reduce_bucket // 10,
             prescale=lambda: 1.0 / self.grad_divisor,
-            write_back=self._write_stepped if self.offload_param else None)
+            write_back=self.shards.write_keys if self.offload_param else None)
 
     # the masters' buffers, by their names of before
     flat_master = property(lambda self: self.masters.flat_master)
@@ -263,16 +261,12 @@ class Stage3Strategy(ZeroStrategy):
         """``wall_clock_breakdown``: gradient copies to the host, shard fetches
         (``offload_param``) and master-to-shard copies (``offload_optimizer`` alone)."""
         self._copy_timer = timer
+        self.shards.copy_timer = timer
         if self.offload_opt:
             self._acc.copy_timer = timer
         if self.offload_param:
             self.gathers.copy_timer = timer
         self.whole.set_copy_timer(timer)
-
-    def _write_stepped(self, keys: List[int]) -> None:
-        """offload_param: pieces the eager step updated, into their host shards."""
-        for key in keys:
-            self.rec[key].storage.write_(self.piece[key])
 
     def after_backward(self, boundary: bool) -> None:
         self.reducer.drain()
@@ -350,7 +344,7 @@ class Stage3Strategy(ZeroStrategy):
         self.schedule.submit_delayed(background_step(
             step=detached_step(inner), grads=self.masters.grads(), factor=factor,
             master_device=self.master_device, grads_ready=self._acc.fence(),
-            writes=[(self.piece[pid], spare.tensor()) for pid, spare in self._spare_shards.items()]))
+            writes=self.shards.spare_writes()))
         # the next window accumulates into the other partitions while this one is stepped
         self.masters.swap_grads()
 
@@ -365,21 +359,11 @@ class Stage3Strategy(ZeroStrategy):
             return
         self._bg_hidden.restore()
         self.masters.attach_grads(False)
-        if self._spare_shards:
-            self._swap_shards()
+        if self.shards.spare:
+            self.shards.swap_spares()
         else:
-            self._write_shards(skip=set())
+            self.shards.write()
         self.whole.after_step(True)
-
-    def _swap_shards(self) -> None:
-        """The shards the background step wrote become the weights; the others (no copy to
-        the device may still read them) receive the next background step's result."""
-        self.params.before_shard_write()
-        for params in self.trainable:
-            for p in params:
-                spare = self._spare_shards.get(id(p))
-                if spare is not None:
-                    self.rec[id(p)].storage.swap(spare)
 
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
         self._inner = inner
@@ -398,27 +382,9 @@ class Stage3Strategy(ZeroStrategy):
             self.gathers.sweep()
             return  # written at the next boundary (or by flush), one step late by design
         self._acc.wait()
-        self._write_shards(skip=self.eager_steps.stepped if self.offload_param else set())
+        self.shards.write(skip=self.eager_steps.stepped if self.offload_param else set())
         self.eager_steps.stepped = set()
         self.whole.after_step(applied)
-
-    def _write_shards(self, skip: Set[int]) -> None:
-        """The updated masters into the compute-dtype shards (but those in ``skip``, which an
-        eager step already wrote)."""
-        self.params.before_shard_write()
-        # the masters' copy to the device shards (offload_optimizer without offload_param)
-        timed = self._copy_timer if self.offload_opt and not self.offload_param else None
-        stream = (get_accelerator().current_stream(self.device)
-                  if timed is not None and self.device.type == "cuda" else None)
-        with copy_span(timed, H2D, stream):
-            for params in self.trainable:
-                for p in params:
-                    piece = self.piece.get(id(p))
-                    if piece is not None and id(p) not in skip:
-                        self.rec[id(p)].storage.write_(piece, non_blocking=True)
-        if self.offload_opt and not self.offload_param and self.device.type == "cuda":
-            # the shards were DMA'd from the pinned masters, which the next CPU step rewrites
-            get_accelerator().current_stream(self.device).synchronize()
 
     def zero_grads(self) -> None:
         if self.eager_steps.open:
@@ -450,18 +416,7 @@ class Stage3Strategy(ZeroStrategy):
     def refresh_after_load(self, weights_only: bool = False) -> None:
         self.flush()
         self._acc.wait()
-        self.params.before_shard_write()
-        with torch.no_grad():
-            for params in self.trainable:
-                for p in params:
-                    piece = self.piece.get(id(p))
-                    if piece is None:
-                        continue
-                    storage = self.rec[id(p)].storage
-                    if weights_only:
-                        piece.copy_(storage.tensor()[:piece.numel()])
-                    else:
-                        storage.write_(piece)
+        self.shards.load(weights_only)
         self.whole.refresh_after_load(weights_only)
 
     def no_sync_allowed(self) -> Optional[str]:
