@@ -185,7 +185,7 @@ class Stage3Strategy(ZeroStrategy):
         # DPU with host shards: the background step also writes its result, into a second
         # set of shards swapped in at the next boundary (the step's critical path then holds
         # no pass over the model on the CPU); shards on the device are written at the swap
-        self.shards = MasterShards(params=self.params, rec=self.rec, pieces=self.piece,
+        self.shards = MasterShards(params=self.params, rec=self.rec, pieces=self.masters.piece,
                                    device=self.device, spare=self.delayed and self.offload_param,
                                    pin=self.pin_param,
                                    masters_on_host=self.offload_opt and not self.offload_param)
@@ -194,11 +194,12 @@ class Stage3Strategy(ZeroStrategy):
         self._acc = HostGradAccumulator(self.device, self.master_device)
         self._copy_timer: Optional[OffloadCopyTimer] = None
         self.eager_steps = EagerSteps(
-            pieces=self.piece, grads=lambda: self.grad_of, batch_elems=self.reduce_bucket // 10,
+            pieces=self.masters.piece, grads=lambda: self.masters.grad_of,
+            batch_elems=self.reduce_bucket // 10,
             prescale=lambda: 1.0 / self.grad_divisor,
             write_back=self.shards.write_keys if self.offload_param else None)
 
-    # the masters' buffers, by their names of before
+    # the masters' buffers, by their names of before (for callers outside this class)
     flat_master = property(lambda self: self.masters.flat_master)
     flat_grad = property(lambda self: self.masters.flat_grad)
     piece = property(lambda self: self.masters.piece)
@@ -207,9 +208,10 @@ class Stage3Strategy(ZeroStrategy):
     # --- optimizer groups -------------------------------------------------------------
     def master_param_groups(self) -> List[List[torch.Tensor]]:
         whole = self.whole.master_param_groups()
+        pieces = self.masters.piece
         out = []
         for gi, params in enumerate(self.trainable):
-            out.append([self.piece[id(p)] for p in params if id(p) in self.piece] + whole[gi])
+            out.append([pieces[id(p)] for p in params if id(p) in pieces] + whole[gi])
         return out
 
     # --- backward -----------------------------------------------------------------------
@@ -246,14 +248,15 @@ class Stage3Strategy(ZeroStrategy):
     def _deliver(self, p: torch.nn.Parameter, rec: PartitionedParam, chunk: torch.Tensor) -> None:
         """A reduced gradient chunk into its fp32 partition (on the host this only queues the
         copy and the add: nothing here waits for the CPU)."""
-        if id(p) not in self.grad_of:
+        grad = self.masters.grad_of.get(id(p))
+        if grad is None:
             return
         final = self._boundary and self.offload_opt
         first = id(p) not in self._written
         self._written.add(id(p))
         if final:
             self._final.add(id(p))
-        self._acc.add_into(self.grad_of[id(p)], chunk, first, final,
+        self._acc.add_into(grad, chunk, first, final,
                            self.eager_steps.finalizer(id(p))
                            if final and self.eager_steps.open else None)
 
@@ -281,7 +284,7 @@ class Stage3Strategy(ZeroStrategy):
         # unless the loss scaler's overflow check must read them now
         if not self._grads_in_flight():
             self._acc.wait()
-        for pid, g in self.grad_of.items():
+        for pid, g in self.masters.grad_of.items():
             if pid not in self._written:
                 g.zero_()  # no gradient in this window (a skipped module)
                 self._written.add(pid)
@@ -294,10 +297,11 @@ class Stage3Strategy(ZeroStrategy):
         if not self.offload_opt:
             return super().grad_norms(grads)
         n_host = len(self.masters.grads())
-        rest_ids = [pid for pid in self.grad_of if pid not in self._final]
+        grad_of = self.masters.grad_of
+        rest_ids = [pid for pid in grad_of if pid not in self._final]
         if rest_ids and self._grads_in_flight():
             self._acc.wait()  # a parameter without a boundary gradient is measured on the host
-        rest = sum(float(torch.dot(self.grad_of[pid], self.grad_of[pid])) for pid in rest_ids)
+        rest = sum(float(torch.dot(grad_of[pid], grad_of[pid])) for pid in rest_ids)
         whole = super().grad_norms(grads[n_host:])
         side = self.side_norm_stream() if not in_order else None
         with side if side is not None else contextlib.nullcontext():
@@ -410,7 +414,8 @@ class Stage3Strategy(ZeroStrategy):
             meta = self.rec[id(p)]
             views.append(ShardView(name=self.names[id(p)], param=p, global_shape=meta.shape,
                                    start=meta.own_lo, end=meta.own_hi,
-                                   weight=meta.shard[:meta.own_len], master=self.piece.get(id(p))))
+                                   weight=meta.shard[:meta.own_len],
+                                   master=self.masters.piece.get(id(p))))
         return views + self.whole.shard_views()
 
     def refresh_after_load(self, weights_only: bool = False) -> None:
@@ -424,7 +429,7 @@ class Stage3Strategy(ZeroStrategy):
 
     # --- GatheredParameters(modifier_rank=...) support ---------------------------------
     def _refresh_master(self, p: torch.nn.Parameter) -> None:
-        piece = self.piece.get(id(p))
+        piece = self.masters.piece.get(id(p))
         if piece is None:
             return
         rec = self.rec[id(p)]
