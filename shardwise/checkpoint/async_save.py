@@ -20,9 +20,9 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from ..errors import CheckpointError
+from .contract import CheckpointableEngine
 from .format import TensorItem
 
-_ATTR = "_shardwise_pending_save"
 
 #: How long rank 0's writer waits for the other ranks' files before giving up.
 WAIT_TIMEOUT_S = 3600.0
@@ -41,9 +41,8 @@ class _Pending:
             self.error = exc
 
 
-def enabled(engine: Any) -> bool:
-    section = getattr(getattr(engine, "config", None), "checkpoint", None)
-    return bool(getattr(section, "async_save", False))
+def enabled(engine: CheckpointableEngine) -> bool:
+    return engine.checkpoint_settings().async_save
 
 
 def _pinned_empty(shape: Any, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -84,19 +83,20 @@ def stage_items(items: List[TensorItem]) -> List[TensorItem]:
     return staged
 
 
-def start(engine: Any, items: List[TensorItem], fn: Callable[[List[TensorItem]], None]) -> None:
+def start(engine: CheckpointableEngine, items: List[TensorItem],
+          fn: Callable[[List[TensorItem]], None]) -> None:
     pending = _Pending(fn, items)
-    engine.__dict__[_ATTR] = pending  # plain attribute, also on an nn.Module engine
+    engine.pending_save = pending
     pending.thread.start()
 
 
-def wait_pending(engine: Any) -> None:
+def wait_pending(engine: CheckpointableEngine) -> None:
     """Finish a background save (all ranks call this at the same point); re-raise its error."""
-    pending = getattr(engine, "__dict__", {}).get(_ATTR)
+    pending = engine.pending_save
     if pending is None:
         return
     pending.thread.join()
-    engine.__dict__.pop(_ATTR, None)
+    engine.pending_save = None
     # every rank's writer is done; rank 0 may still be committing until this barrier
     from .engine_io import _barrier
     _barrier(engine)

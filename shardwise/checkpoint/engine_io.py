@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
 from .. import comm
+from ..comm.topology import global_rank
 from ..errors import CheckpointError
 from ..utils.logging import log_dist, logger
 from ..zero.shard_view import ShardView
 from . import async_save as _async
 from .atomic import atomic_write_bytes, atomic_write_text, fsync_dir
-from .contract import CheckpointableEngine
+from .contract import COUNTERS, CheckpointableEngine
 from .format import (FORMAT_NAME, FORMAT_VERSION, LATEST_FILE, META_FILE, TensorItem, dtype_to_str,
                      dumps_json, from_jsonable, rank_file_stem, read_json, resolve_tag,
                      tensor_key, to_jsonable, validate_tag, write_safetensors)
@@ -39,6 +39,8 @@ from .engine_state import (_aliases, _config_dict, _grad_accum, _hf_config, _inn
 from .reshard import CheckpointReader
 
 PathLike = Union[str, "os.PathLike[str]"]
+Engine = CheckpointableEngine
+"""What every function here takes (``contract.CheckpointableEngine``)."""
 
 #: Test hook: ``SHARDWISE_CKPT_TEST_DIE_AFTER_FILES=n`` makes this process ``os._exit(1)``
 #: right after it finished writing its n-th checkpoint file (counted per process), so the
@@ -58,16 +60,16 @@ def _file_done() -> None:
 # --------------------------------------------------------------------------- collectives
 
 
-def _dist_on(engine: Any) -> bool:
-    return dist.is_available() and dist.is_initialized() and int(getattr(engine, "world_size", 1)) > 1
+def _dist_on(engine: Engine) -> bool:
+    return comm.is_initialized() and engine.world_size > 1
 
 
-def _barrier(engine: Any) -> None:
+def _barrier(engine: Engine) -> None:
     if _dist_on(engine):
         comm.barrier(group=engine.dp_group)
 
 
-def _gather_objects(engine: Any, obj: Any) -> List[Any]:
+def _gather_objects(engine: Engine, obj: Any) -> List[Any]:
     if not _dist_on(engine):
         return [obj]
     out: List[Any] = [None] * engine.world_size
@@ -75,8 +77,8 @@ def _gather_objects(engine: Any, obj: Any) -> List[Any]:
     return out
 
 
-def _check_tag_across_ranks(engine: Any, tag: str) -> None:
-    mode = str(getattr(getattr(engine.config, "checkpoint", None), "tag_validation", "WARN")).upper()
+def _check_tag_across_ranks(engine: Engine, tag: str) -> None:
+    mode = engine.checkpoint_settings().tag_validation
     if mode == "IGNORE" or not _dist_on(engine):
         return
     crc = zlib.crc32(tag.encode("utf-8"))
@@ -93,29 +95,15 @@ def _check_tag_across_ranks(engine: Any, tag: str) -> None:
 # --------------------------------------------------------------------------- engine pieces
 
 
-def _has_views(engine: Any) -> bool:
-    # ShardwiseEngine without an optimizer has strategy=None and so no views.
-    return hasattr(engine, "shard_views") and getattr(engine, "strategy", True) is not None
-
-
-def _views(engine: Any) -> List[ShardView]:
-    """The engine's views; an engine without optimizer/strategy (inference) gets one view per
-    parameter, owned whole by rank 0, so its weights still save and load."""
-    if _has_views(engine):
-        return list(engine.shard_views())
-    rank = int(getattr(engine, "global_rank", 0))
-    views = []
-    for name, p in engine.module.named_parameters():
-        n = p.numel() if rank == 0 else 0
-        views.append(ShardView(name=name, param=p, global_shape=p.shape, start=0, end=n,
-                               weight=p.data.view(-1)[:n], master=None))
-    return views
+def _views(engine: Engine) -> List[ShardView]:
+    """The engine's views (an engine without optimizer/strategy: ``contract.whole_views``)."""
+    return list(engine.shard_views())
 
 
 # --------------------------------------------------------------------------- save
 
 
-def _rank_items(engine: Any, views: List[ShardView], exclude_frozen: bool,
+def _rank_items(engine: Engine, views: List[ShardView], exclude_frozen: bool,
                 client_tensors: Dict[str, torch.Tensor]) -> Tuple[List[TensorItem], Dict[str, Any]]:
     """The tensors this rank writes, and the per-parameter facts for its index."""
     inner = _inner_optimizer(engine)
@@ -151,7 +139,7 @@ def _rank_items(engine: Any, views: List[ShardView], exclude_frozen: bool,
                 scal[key] = to_jsonable(value, f"optimizer state {key!r} of {view.name!r}")
         if scal:
             scalars[view.name] = scal
-    if int(getattr(engine, "global_rank", 0)) == 0:
+    if engine.global_rank == 0:
         for name, buf in _persistent_buffers(engine.module):
             info = {"param": name, "kind": "buffer", "start": 0, "end": buf.numel()}
             items.append(TensorItem(tensor_key("buffer", name, 0), buf.dtype, list(buf.shape), buf, info))
@@ -169,9 +157,9 @@ def _split_client_state(client_state: Dict[str, Any]) -> Tuple[Dict[str, Any], D
     return to_jsonable(rest, "client_state"), tensors
 
 
-def _write_rank_files(engine: Any, staging: Path, items: List[TensorItem], facts: Dict[str, Any],
-                      rng: Dict[str, Any], dataloader_state: Any) -> None:
-    rank, world = int(getattr(engine, "global_rank", 0)), int(getattr(engine, "world_size", 1))
+def _write_rank_files(engine: Engine, staging: Path, items: List[TensorItem],
+                      facts: Dict[str, Any], rng: Dict[str, Any], dataloader_state: Any) -> None:
+    rank, world = engine.global_rank, engine.world_size
     stem = rank_file_stem(rank, world)
     record = write_safetensors(staging / f"{stem}.safetensors", items,
                                metadata={"format": "pt", "producer": FORMAT_NAME})
@@ -182,8 +170,8 @@ def _write_rank_files(engine: Any, staging: Path, items: List[TensorItem], facts
     _file_done()
 
 
-def _commit(engine: Any, root: Path, staging: Path, tag: str, meta: Dict[str, Any],
-            save_latest: bool) -> None:
+def _commit(engine: Engine, root: Path, staging: Path, tag: str,
+            meta: Dict[str, Any], save_latest: bool) -> None:
     """Rank 0, after every rank wrote its files: metadata, rename, then ``latest``."""
     world = int(meta["world_size"])
     indexes = []
@@ -212,7 +200,7 @@ def _commit(engine: Any, root: Path, staging: Path, tag: str, meta: Dict[str, An
         _file_done()
 
 
-def save_checkpoint(engine: CheckpointableEngine, save_dir: PathLike, tag: Optional[str] = None,
+def save_checkpoint(engine: Engine, save_dir: PathLike, tag: Optional[str] = None,
                     client_state: Optional[Dict[str, Any]] = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> bool:
     """Save the engine's full training state under ``save_dir/tag`` (all ranks call this).
@@ -227,7 +215,7 @@ def save_checkpoint(engine: CheckpointableEngine, save_dir: PathLike, tag: Optio
     _check_tag_across_ranks(engine, tag)
     root = Path(save_dir)
     staging = root / f".{tag}.partial"
-    rank = int(getattr(engine, "global_rank", 0))
+    rank = engine.global_rank
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if staging.exists():  # left by a save that was killed: never part of a valid tag
@@ -238,7 +226,7 @@ def save_checkpoint(engine: CheckpointableEngine, save_dir: PathLike, tag: Optio
     client_json, client_tensors = _split_client_state(client_state or {})
     views = _views(engine)
     items, facts = _rank_items(engine, views, exclude_frozen_parameters, client_tensors)
-    loader = getattr(engine, "training_dataloader", None)
+    loader = engine.training_dataloader
     loader_state = (to_jsonable(loader.state_dict(), "training_dataloader.state_dict()")
                     if loader is not None and hasattr(loader, "state_dict") else None)
     rng = _rng_state()
@@ -254,9 +242,10 @@ def save_checkpoint(engine: CheckpointableEngine, save_dir: PathLike, tag: Optio
     return True
 
 
-def _finish_save(engine: Any, root: Path, staging: Path, tag: str, meta: Optional[Dict[str, Any]],
-                 save_latest: bool, items: List[TensorItem], facts: Dict[str, Any],
-                 rng: Dict[str, Any], loader_state: Any, barrier: bool) -> None:
+def _finish_save(engine: Engine, root: Path, staging: Path, tag: str,
+                 meta: Optional[Dict[str, Any]], save_latest: bool, items: List[TensorItem],
+                 facts: Dict[str, Any], rng: Dict[str, Any], loader_state: Any,
+                 barrier: bool) -> None:
     _write_rank_files(engine, staging, items, facts, rng, loader_state)
     if barrier:
         _barrier(engine)
@@ -270,11 +259,12 @@ def _finish_save(engine: Any, root: Path, staging: Path, tag: str, meta: Optiona
         _barrier(engine)
 
 
-def _global_meta(engine: Any, tag: str, client_json: Any, exclude_frozen: bool) -> Dict[str, Any]:
+def _global_meta(engine: Engine, tag: str, client_json: Any,
+                 exclude_frozen: bool) -> Dict[str, Any]:
     from ..version import __version__
     inner = _inner_optimizer(engine)
     scaler = _loss_scaler(engine)
-    sched = getattr(engine, "lr_scheduler", None)
+    sched = engine.lr_scheduler
     optimizer = None
     if inner is not None:
         groups = [{k: to_jsonable(v, f"optimizer param_groups[{i}][{k!r}]")
@@ -283,9 +273,11 @@ def _global_meta(engine: Any, tag: str, client_json: Any, exclude_frozen: bool) 
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
         "shardwise_version": __version__, "torch_version": torch.__version__,
-        "tag": tag, "world_size": int(getattr(engine, "world_size", 1)), "zero_stage": _stage(engine),
-        "counters": {**{k: int(getattr(engine, k, 0)) for k in
-                        ("global_steps", "global_samples", "micro_steps", "skipped_steps")},
+        "tag": tag, "world_size": engine.world_size, "zero_stage": _stage(engine),
+        "counters": {"global_steps": int(engine.global_steps),
+                     "global_samples": int(engine.global_samples),
+                     "micro_steps": int(engine.micro_steps),
+                     "skipped_steps": int(engine.skipped_steps),
                      "gradient_accumulation_steps": _grad_accum(engine)},
         "exclude_frozen_parameters": bool(exclude_frozen),
         "aliases": _aliases(engine.module),
@@ -304,7 +296,8 @@ def _global_meta(engine: Any, tag: str, client_json: Any, exclude_frozen: bool) 
 # --------------------------------------------------------------------------- load
 
 
-def _check_model(engine: Any, reader: CheckpointReader, views: List[ShardView], strict: bool) -> None:
+def _check_model(engine: Engine, reader: CheckpointReader, views: List[ShardView],
+                 strict: bool) -> None:
     """Raise a CheckpointError for a checkpoint that belongs to another model."""
     model = {n: p for n, p in engine.module.named_parameters()}
     stored = reader.params
@@ -344,7 +337,7 @@ def _view_reads(reader: CheckpointReader, view: ShardView, module_only: bool,
     return reads
 
 
-def _load_views(engine: Any, reader: CheckpointReader, views: List[ShardView], module_only: bool,
+def _load_views(engine: Engine, reader: CheckpointReader, views: List[ShardView], module_only: bool,
                 load_optimizer: bool) -> None:
     inner = _inner_optimizer(engine)
     with_states = load_optimizer and inner is not None
@@ -393,7 +386,7 @@ def _step_device(inner: Optional[torch.optim.Optimizer]):
     return (lambda master: master.device) if on_param else (lambda master: torch.device("cpu"))
 
 
-def _load_buffers(engine: Any, reader: CheckpointReader, strict: bool) -> None:
+def _load_buffers(engine: Engine, reader: CheckpointReader, strict: bool) -> None:
     stored = reader.meta.get("buffers", {})
     mine = _persistent_buffers(engine.module)
     missing = [n for n, _ in mine if n not in stored]
@@ -411,7 +404,7 @@ def _load_buffers(engine: Any, reader: CheckpointReader, strict: bool) -> None:
             buf.copy_(value.to(buf.dtype))
 
 
-def _load_optimizer_groups(engine: Any, reader: CheckpointReader) -> None:
+def _load_optimizer_groups(engine: Engine, reader: CheckpointReader) -> None:
     inner = _inner_optimizer(engine)
     saved = reader.meta.get("optimizer")
     if inner is None or saved is None:
@@ -436,7 +429,7 @@ def _load_optimizer_groups(engine: Any, reader: CheckpointReader) -> None:
                 group[key] = value
 
 
-def load_checkpoint(engine: CheckpointableEngine, load_dir: PathLike, tag: Optional[str] = None,
+def load_checkpoint(engine: Engine, load_dir: PathLike, tag: Optional[str] = None,
                     load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                     **_ignored: Any) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
@@ -458,11 +451,7 @@ def load_checkpoint(engine: CheckpointableEngine, load_dir: PathLike, tag: Optio
             _load_optimizer_groups(engine, reader)
         _load_views(engine, reader, views, load_module_only, load_optimizer)
         _load_buffers(engine, reader, load_module_strict)
-        if _has_views(engine):
-            engine.refresh_after_load(weights_only=load_module_only)
-        elif _dist_on(engine):
-            for p in engine.module.parameters():
-                comm.broadcast(p.data, src=0, group=engine.dp_group)
+        engine.refresh_after_load(weights_only=load_module_only)
         client_state = reader.client_state()
         if not load_module_only:
             _restore_training_state(engine, reader, load_optimizer, load_lr_scheduler_states)
@@ -472,30 +461,30 @@ def load_checkpoint(engine: CheckpointableEngine, load_dir: PathLike, tag: Optio
     return path, client_state
 
 
-def _restore_training_state(engine: Any, reader: CheckpointReader, load_optimizer: bool,
+def _restore_training_state(engine: Engine, reader: CheckpointReader, load_optimizer: bool,
                             load_scheduler: bool) -> None:
     meta = reader.meta
     counters = dict(meta.get("counters", {}))
     saved_ga = counters.pop("gradient_accumulation_steps", None)
     for key, value in counters.items():
-        if hasattr(engine, key):
+        if key in COUNTERS:
             setattr(engine, key, int(value))
     ga = _grad_accum(engine)
-    if saved_ga and ga and saved_ga != ga and hasattr(engine, "micro_steps"):
+    if saved_ga and ga and saved_ga != ga:
         # The accumulation boundary is (micro_steps + 1) % GA == 0: with a new GA (e.g. a new
         # world size at a fixed batch) keep the boundary aligned by counting whole steps.
         engine.micro_steps = (int(counters.get("micro_steps", 0)) // saved_ga) * ga
     scaler = _loss_scaler(engine)
     if load_optimizer and scaler is not None and meta.get("loss_scaler") is not None:
         scaler.load_state_dict(from_jsonable(meta["loss_scaler"]))
-    sched = getattr(engine, "lr_scheduler", None)
+    sched = engine.lr_scheduler
     if load_scheduler and sched is not None and meta.get("lr_scheduler") is not None:
         sched.load_state_dict(from_jsonable(meta["lr_scheduler"]))
-    rank = int(getattr(engine, "global_rank", 0))
+    rank = engine.global_rank
     if rank < reader.world_size:
         index = reader.rank_index(rank)
         _set_rng_state(from_jsonable(index.get("rng") or {}))
-        loader = getattr(engine, "training_dataloader", None)
+        loader = engine.training_dataloader
         if loader is not None and hasattr(loader, "load_state_dict") and index.get("dataloader"):
             loader.load_state_dict(from_jsonable(index["dataloader"]))
     elif rank == reader.world_size:  # say it once, not once per extra rank
@@ -506,7 +495,7 @@ def _restore_training_state(engine: Any, reader: CheckpointReader, load_optimize
 # --------------------------------------------------------------------------- 16-bit export
 
 
-def save_16bit_model(engine: CheckpointableEngine, save_dir: PathLike,
+def save_16bit_model(engine: Engine, save_dir: PathLike,
                      save_filename: str = "model.safetensors",
                      exclude_frozen_parameters: bool = False) -> bool:
     """Write the module's compute-dtype weights (gathered under stage 3) to one file on rank 0.
@@ -517,13 +506,12 @@ def save_16bit_model(engine: CheckpointableEngine, save_dir: PathLike,
     """
     _async.wait_pending(engine)
     stage = _stage(engine)
-    zero = getattr(getattr(engine, "config", None), "zero_optimization", None)
-    if stage == 3 and not bool(getattr(zero, "gather_16bit_weights_on_model_save", False)):
+    if stage == 3 and not engine.checkpoint_settings().gather_16bit_weights_on_model_save:
         logger.warning("save_16bit_model: ZeRO stage 3 with zero_optimization."
                        "gather_16bit_weights_on_model_save=false saves nothing (DeepSpeed's rule); "
                        "set it to true, or export a checkpoint with `shardwise convert`.")
         return False
-    rank = int(getattr(engine, "global_rank", 0))
+    rank = engine.global_rank
     views = {v.name: v for v in _views(engine)}  # every rank lists every parameter
     state: Dict[str, torch.Tensor] = {}
     for name, p in engine.module.named_parameters():
@@ -540,7 +528,7 @@ def save_16bit_model(engine: CheckpointableEngine, save_dir: PathLike,
     return True
 
 
-def _gather_full(engine: Any, name: str, p: torch.nn.Parameter, view: Optional[ShardView],
+def _gather_full(engine: Engine, name: str, p: torch.nn.Parameter, view: Optional[ShardView],
                  stage: int) -> torch.Tensor:
     """The whole parameter on rank 0. Below stage 3 every rank holds it whole; under stage 3
     each rank contributes its owned slice to a sum (slices are disjoint, so the sum is exact)."""
@@ -557,8 +545,7 @@ def _gather_full(engine: Any, name: str, p: torch.nn.Parameter, view: Optional[S
     wire = torch.zeros(shape.numel(), dtype=torch.float32, device=engine.device)
     if view is not None and view.numel > 0:
         wire[view.start:view.end] = view.weight.float().to(engine.device)
-    comm.reduce(wire, dst=dist.get_global_rank(engine.dp_group, 0) if engine.dp_group else 0,
-                group=engine.dp_group)
+    comm.reduce(wire, dst=global_rank(engine.dp_group, 0), group=engine.dp_group)
     return wire.to("cpu").to(dtype).reshape(shape)
 
 

@@ -1,6 +1,6 @@
 """What a checkpoint records about an engine besides its shards: tied names, buffers, RNG
-states, counters, config and the optimizer/scaler handles, read defensively so that an
-engine-like object without some of them (inference engine, test double) still works.
+states, counters, config and the optimizer/scaler handles, read through the typed engine
+contract (``contract.CheckpointableEngine``).
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
+from .contract import CheckpointableEngine
 from .format import to_jsonable
 
 
@@ -36,15 +37,13 @@ def _persistent_buffers(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor
     return out
 
 
-def _inner_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
-    opt = getattr(engine, "optimizer", None)
-    return getattr(opt, "inner", None) if opt is not None else None
+def _inner_optimizer(engine: CheckpointableEngine) -> Optional[torch.optim.Optimizer]:
+    return engine.optimizer.inner if engine.optimizer is not None else None
 
 
-def _loss_scaler(engine: Any) -> Any:
-    opt = getattr(engine, "optimizer", None)
-    scaler = getattr(opt, "loss_scaler", None) if opt is not None else None
-    return scaler if scaler is not None else getattr(engine, "loss_scaler", None)
+def _loss_scaler(engine: CheckpointableEngine) -> Any:
+    scaler = engine.optimizer.loss_scaler if engine.optimizer is not None else None
+    return scaler if scaler is not None else engine.loss_scaler
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -81,28 +80,20 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all(states)
 
 
-def _config_dict(engine: Any) -> Any:
-    cfg = getattr(engine, "config", None)
-    raw = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+def _config_dict(engine: CheckpointableEngine) -> Any:
+    raw = engine.checkpoint_settings().config
     try:
         return to_jsonable(raw, "config")
     except CheckpointError:
         return {k: str(v) for k, v in raw.items()}
 
 
-def _stage(engine: Any) -> int:
-    try:
-        return int(engine.config.zero_optimization.stage)
-    except AttributeError:
-        return 0
+def _stage(engine: CheckpointableEngine) -> int:
+    return int(engine.zero_optimization_stage())
 
 
-def _grad_accum(engine: Any) -> Optional[int]:
-    fn = getattr(engine, "gradient_accumulation_steps", None)
-    try:
-        return int(fn()) if callable(fn) else None
-    except (TypeError, ValueError, AttributeError):
-        return None
+def _grad_accum(engine: CheckpointableEngine) -> Optional[int]:
+    return int(engine.gradient_accumulation_steps())
 
 
 def _hf_config(module: torch.nn.Module) -> Optional[Dict[str, Any]]:

@@ -21,6 +21,12 @@ def group_world_rank(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
     return 1, 0
 
 
+def global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank`` (None: the default group, where the two
+    are the same): what ``src``/``dst`` of a collective over ``group`` take."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
 @dataclass(frozen=True)
 class Topology:
     """The process groups of one engine."""

@@ -8,7 +8,6 @@ shards that are swapped in at the next boundary.
 """
 from __future__ import annotations
 
-from concurrent.futures import Executor, Future
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -16,13 +15,14 @@ import torch
 from ..accelerator import get_accelerator
 
 
-def submit_background_step(pool: Executor, *, step: Callable[[], None],
-                           grads: List[torch.Tensor], factor: Optional[torch.Tensor],
-                           master_device: torch.device, grads_ready: Callable[[], None],
-                           writes: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()) -> Future:
-    """Queue ``step`` (a snapshot of the optimizer's step) on ``pool``: first
-    ``grads_ready()``, then ``grads *= factor`` (None: unscaled), the step, and each
-    ``(master, spare)`` of ``writes`` copied into the spare shard."""
+def background_step(*, step: Callable[[], None], grads: List[torch.Tensor],
+                    factor: Optional[torch.Tensor], master_device: torch.device,
+                    grads_ready: Callable[[], None],
+                    writes: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()) -> Callable[[], None]:
+    """The work of a delayed step, for the worker, made on the calling thread (which marks
+    where on its stream ``factor`` is ready): run ``step`` (a snapshot of the optimizer's
+    step) after ``grads_ready()`` and ``grads *= factor`` (None: unscaled), then copy each
+    ``(master, spare)`` of ``writes`` into the spare shard."""
     factor_ready = None
     if factor is not None and factor.device.type != "cpu":
         acc = get_accelerator()
@@ -42,4 +42,4 @@ def submit_background_step(pool: Executor, *, step: Callable[[], None],
             for master, spare in writes:
                 spare[:master.numel()].copy_(master)
 
-    return pool.submit(background)
+    return background

@@ -36,3 +36,17 @@ class HostBucket(Protocol):
     """This rank's fp32 masters (pinned host memory)."""
     master_grad: torch.Tensor
     """Their gradients (pinned host memory)."""
+
+
+class PieceSource(Protocol):
+    """What stage 3's host masters need of one partitioned parameter's record."""
+
+    @property
+    def own_len(self) -> int:
+        """Elements of the parameter this rank owns (0: none)."""
+        ...
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's chunk in the compute dtype (its first ``own_len`` elements are owned)."""
+        ...

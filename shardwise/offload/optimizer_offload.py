@@ -29,7 +29,6 @@ large ``reduce_bucket_size`` is.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
@@ -37,7 +36,8 @@ import torch
 from ..accelerator import get_accelerator
 from ..monitor.copy_timers import D2H, H2D, OffloadCopyTimer, copy_span
 from .buffers import HostBucket
-from .cpu_worker import cpu_step_pool, detached_step
+from .cpu_worker import detached_step
+from .step_schedule import StepSchedule
 from .step_subset import step_subset
 
 if TYPE_CHECKING:
@@ -63,17 +63,14 @@ class OptimizerOffload:
         self.accel = get_accelerator()  # streams and events
         self.cuda = device.type == "cuda"
         self.stream = self.accel.Stream(device) if self.cuda else None
-        self.pool = cpu_step_pool("shardwise-offload")
-        self.delayed = delayed
-        self.warmup = max(int(warmup), 0)
-        self.steps_done = 0
+        self.schedule: StepSchedule[HostBucket] = StepSchedule(
+            delayed=delayed, warmup=warmup, name="shardwise-offload")
+        """Eager bucket steps, the delayed update's warmup and its background step."""
         self.copy_timer: Optional[OffloadCopyTimer] = None
         """``wall_clock_breakdown``: times the copies (set by the engine; None: off)."""
         self.nvme: Optional["NvmeOptimizerStates"] = None
         """``offload_optimizer.device`` "nvme": the buckets' masters and states live in swap
         files, one sub-group per bucket, streamed through at the step (nvme_states.py)."""
-        self._futures: List[Future] = []
-        self._eager_order: List[HostBucket] = []
         self._grad_events: dict = {}
         self._h2d_events: dict = {}
         """Per bucket: the last host-to-device copy that reads its masters. A CPU step waits
@@ -166,41 +163,33 @@ class OptimizerOffload:
     def eager_step_bucket(self, inner: torch.optim.Optimizer, bucket: HostBucket,
                           prescale: float) -> None:
         """Step one bucket in the background as soon as its gradients are on their way."""
-        self._futures.append(self.pool.submit(self._step_buckets, inner.step, [bucket], prescale))
-        self._eager_order.append(bucket)
+        self.schedule.submit_eager(bucket, self._step_buckets, inner.step, [bucket], prescale)
 
     def step(self, inner: torch.optim.Optimizer, eager: bool,
              factor_fn: Callable[[], Optional[float]]) -> None:
         """Run (or finish) this step's CPU update. ``factor_fn`` gives the multiply the engine
         computed (unscale, averaging, clipping), or None when nothing needs scaling."""
         if self.nvme is not None:  # --- NVMe: the buckets streamed through the swap ring
+            self.schedule.begin_step()  # counts the step (no delayed update with NVMe)
             self._nvme_step(inner, factor_fn())
-            self.steps_done += 1
             return
-        delayed = self.delayed and self.steps_done >= self.warmup
+        delayed = self.schedule.begin_step()
         if eager and not delayed:
             # each bucket's host-to-device copy starts as soon as its CPU step is done, while
             # the CPU steps the next one
-            for bucket, fut in zip(self._eager_order, self._futures):
-                fut.result()
+            for bucket in self.schedule.finish_eager():
                 self._copy_params_to_device([bucket])
-            self._futures.clear()
-            self._eager_order.clear()
-        else:
-            self.wait_tasks()  # DPU: the previous step's update, normally long finished
-            if delayed:
-                self._copy_params_to_device()
-            factor = factor_fn()
-
-            if delayed:
-                # the scheduler changes the rates as soon as this returns: step a snapshot
-                self._futures.append(self.pool.submit(self._step_buckets, detached_step(inner),
-                                                      self.buckets, factor))
-            else:
-                self._step_buckets(inner.step, self.buckets, factor)
-        if not delayed and not eager:
+            return
+        self.wait_tasks()  # DPU: the previous step's update, normally long finished
+        if delayed:
+            # that update reaches the device; this one runs in the background until the next
+            # step, on a snapshot (the scheduler changes the rates as soon as this returns)
             self._copy_params_to_device()
-        self.steps_done += 1
+            self.schedule.submit_delayed(self._step_buckets, detached_step(inner),
+                                         self.buckets, factor_fn())
+            return
+        self._step_buckets(inner.step, self.buckets, factor_fn())
+        self._copy_params_to_device()
 
     def _nvme_step(self, inner: torch.optim.Optimizer, factor: Optional[float]) -> None:
         """Each bucket in turn from its swap file: step it, copy its masters to the device."""
@@ -216,10 +205,13 @@ class OptimizerOffload:
         self.nvme.step_groups(step, to_device)
 
     def wait_tasks(self) -> None:
-        for fut in self._futures:
-            fut.result()
-        self._futures.clear()
-        self._eager_order.clear()
+        self.schedule.wait()
+
+    # compatibility: the schedule's settings as they were named here
+    delayed = property(lambda self: self.schedule.delayed)
+    warmup = property(lambda self: self.schedule.warmup)
+    steps_done = property(lambda self: self.schedule.steps_done)
+    pool = property(lambda self: self.schedule.pool)
 
     # --- 3. parameters back to the device -------------------------------------------------------
     def _copy_params_to_device(self, buckets: Optional[Sequence[HostBucket]] = None) -> None:
@@ -246,7 +238,7 @@ class OptimizerOffload:
 
     def flush(self) -> None:
         """Bring a pending delayed update onto the device (before saving or evaluating)."""
-        if self._futures:
+        if self.schedule.busy:
             self.wait_tasks()
             self._copy_params_to_device()
             if self.cuda:
@@ -254,6 +246,6 @@ class OptimizerOffload:
                     done.synchronize()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.schedule.close()
         if self.nvme is not None:
             self.nvme.close()

@@ -13,7 +13,10 @@ from typing import Any, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..accelerator import get_accelerator
+from ..checkpoint.contract import CheckpointableEngine, CheckpointSettings, whole_views
+from ..comm.topology import group_world_rank
 from ..comm import all_reduce, configure as configure_comms_logger, get_local_rank
 from ..profiling.engine_profile import EngineProfile
 from ..config import ShardwiseConfig
@@ -29,7 +32,7 @@ from .deepspeed_unsupported import UNSUPPORTED_ATTRIBUTES, unsupported_error
 from .zero_optimizer import ZeroOptimizer
 
 
-class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
+class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module, CheckpointableEngine):
     """DeepSpeed's ``DeepSpeedEngine`` surface over a ZeRO strategy.
 
     Attribute access that the engine does not define falls through to the wrapped module,
@@ -53,8 +56,10 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.loss_scaler = loss_scaler
-        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        self.pending_save: Any = None
+        """A background checkpoint save (``checkpoint.async_save``) not finished yet."""
+        self.global_rank = group_world_rank(None)[1]
+        self.world_size = group_world_rank(dp_group)[0]
         self.local_rank = get_local_rank()
         self.global_steps = 0
         self.global_samples = 0
@@ -331,11 +336,20 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
         return bool(result is not None and result.is_compiled)
 
     # --- checkpoint contract --------------------------------------------------------------------
+    def checkpoint_settings(self) -> CheckpointSettings:
+        return CheckpointSettings.of(self.config)
+
     def shard_views(self) -> List[ShardView]:
+        if self.strategy is None:  # no optimizer: every parameter whole, owned by rank 0
+            return whole_views(self.module, self.global_rank)
         return self.strategy.shard_views()
 
     def refresh_after_load(self, weights_only: bool = False) -> None:
-        self.strategy.refresh_after_load(weights_only)
+        if self.strategy is not None:
+            self.strategy.refresh_after_load(weights_only)
+        elif comm.is_initialized() and self.world_size > 1:  # rank 0 read the whole weights
+            for p in self.module.parameters():
+                comm.broadcast(p.data, src=0, group=self.dp_group)
 
     def save_checkpoint(self, save_dir: Any, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
@@ -367,12 +381,7 @@ class ShardwiseEngine(DeepSpeedCompatMixin, torch.nn.Module):
         self.monitor.close()
         if self.strategy is not None:
             self.strategy.flush()
-            remove = getattr(self.strategy, "remove_hooks", None)
-            if remove is not None:
-                remove()
-            pipeline = getattr(self.strategy, "pipeline", None)
-            if pipeline is not None:
-                pipeline.close()
+            self.strategy.remove_hooks()  # and its offload worker threads
 
     def __repr__(self) -> str:
         return (f"ShardwiseEngine(stage={self.zero_optimization_stage()}, dtype="

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..comm import all_gather_flat, reduce_scatter_flat
-from ..comm.topology import group_world_rank
+from ..comm.topology import global_rank, group_world_rank
 from ..offload.optimizer_offload import OptimizerOffload
 from .flat_buckets import Bucket, build_bucket, grad_view, plan_buckets
 from .shard_view import ShardView
@@ -382,7 +382,7 @@ class DataParallelStrategy(ZeroStrategy):
                     for b in self.buckets:
                         all_gather_flat(b.param_buf, b.param_buf[b.lo:b.hi], group=self.group)
                 for _, p in self.frozen:
-                    comm.broadcast(p.data, src=_global_rank(self.group, 0), group=self.group)
+                    comm.broadcast(p.data, src=global_rank(self.group, 0), group=self.group)
         if self._nvme is not None:
             self._nvme.dematerialize(write=True)  # the loaded values into the swap files
 
@@ -406,17 +406,16 @@ class DataParallelStrategy(ZeroStrategy):
         return None
 
     def remove_hooks(self) -> None:
-        """Give the parameters back to plain autograd: no hooks, no gradient views."""
+        """Give the parameters back to plain autograd: no hooks, no gradient views (and stop
+        the offload worker)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
         for bucket in self.buckets:
             for slot in bucket.slots:
                 slot.param.grad = None
-
-
-def _global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
-    return dist.get_global_rank(group, rank) if group is not None else rank
 
 
 class _Done:

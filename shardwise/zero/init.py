@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.nn.modules import module as _module_mod
 
 from .. import comm
+from ..comm.topology import global_rank, group_world_rank
 from ..errors import ConfigError, ZeroError
 from .stage3 import partition as P
 
@@ -116,9 +117,8 @@ class Init:
 
     # --- partitioning -----------------------------------------------------------------
     def _world(self) -> tuple:
-        if not (dist.is_available() and dist.is_initialized()):
-            from ..comm import init_distributed
-            init_distributed(verbose=False)
+        if not comm.is_initialized():
+            comm.init_distributed(verbose=False)
         return P.group_info(self.group)
 
     def _partition_module(self, module: torch.nn.Module, recurse: bool) -> None:
@@ -317,17 +317,16 @@ class GatheredParameters:
 
     def _publish(self) -> None:
         """Broadcast the modifier's values, keep this rank's chunk, refresh the masters."""
-        on = dist.is_available() and dist.is_initialized()
         for p in self.params:
             owner = P.owner_of(p)
             rec = owner.record(p) if owner is not None else None
             group = rec.group if rec is not None else None
-            world = dist.get_world_size(group) if on else 1
+            world, _ = group_world_rank(group)
             if world > 1:
                 if not 0 <= self.modifier_rank < world:
                     raise ZeroError(f"GatheredParameters(modifier_rank={self.modifier_rank}): "
                                     f"the group has ranks 0..{world - 1}")
-                src = P.global_rank(group, self.modifier_rank)
+                src = global_rank(group, self.modifier_rank)
                 with torch.no_grad():
                     comm.broadcast(p.data, src=src, group=group)
             if rec is not None:

@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from shardwise.checkpoint import CheckpointReader, atomic_open, atomic_write_bytes, validate_tag
 from shardwise.checkpoint import engine_io
+from shardwise.checkpoint.contract import CheckpointSettings
 from shardwise.checkpoint.consolidate import get_fp32_state_dict
 from shardwise.checkpoint.engine_io import load_checkpoint
 from shardwise.checkpoint.format import (META_FILE, SliceFileReader, TensorItem, chunk_crcs,
@@ -45,6 +46,7 @@ class FakeEngine:
                  weight_dtype: torch.dtype = torch.float32, lr: float = 1e-2) -> None:
         self.module, self.global_rank, self.world_size = module, rank, world
         self.dp_group, self.config, self.lr_scheduler, self.training_dataloader = None, None, None, None
+        self.loss_scaler, self.pending_save = None, None
         self.device = torch.device("cpu")
         self.global_steps, self.global_samples, self.micro_steps, self.skipped_steps = 0, 0, 0, 0
         self.refreshed: List[bool] = []
@@ -59,6 +61,15 @@ class FakeEngine:
             self._views.append(ShardView(name, p, p.shape, lo, hi, weight, master))
         masters = [v.master for v in self._views if v.master is not None]
         self.optimizer = _Opt(torch.optim.Adam(masters, lr=lr))
+
+    def checkpoint_settings(self) -> CheckpointSettings:
+        return CheckpointSettings()
+
+    def zero_optimization_stage(self) -> int:
+        return 0
+
+    def gradient_accumulation_steps(self) -> int:
+        return 1
 
     def shard_views(self) -> List[ShardView]:
         return self._views
@@ -526,3 +537,26 @@ def test_same_tag_resave_replaces_and_frozen_exclusion(tmp_path):
     load_checkpoint(eng, tmp_path)  # strict, yet the excluded frozen weights may be missing
     assert torch.equal(eng.module.frozen.weight, frozen_before)
     assert eng.optimizer.inner.state[eng.shard_views()[0].master]["step"].item() == 3.0
+
+
+def test_the_engine_implements_the_checkpoint_contract_explicitly() -> None:
+    """The checkpoint code calls the engine through ``CheckpointableEngine`` without probing
+    it; the engine subclasses the Protocol, so a member it drops fails here (and at import
+    for a type checker), not in the middle of a save."""
+    import shardwise
+    from shardwise.checkpoint.contract import CheckpointableEngine
+    from shardwise.runtime.engine import ShardwiseEngine
+    assert CheckpointableEngine in ShardwiseEngine.__mro__
+    engine, *_ = shardwise.initialize(model=_net(), config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 0,
+        "checkpoint": {"tag_validation": "Fail", "async_save": True}})
+    assert isinstance(engine, CheckpointableEngine)
+    settings = engine.checkpoint_settings()
+    assert (settings.tag_validation, settings.async_save) == ("FAIL", True)
+    assert settings.config["train_micro_batch_size_per_gpu"] == 2
+    assert engine.pending_save is None
+    # no optimizer, no strategy: every parameter whole, owned by rank 0
+    views = engine.shard_views()
+    assert [v.name for v in views] == [n for n, _ in engine.module.named_parameters()]
+    assert all(v.numel == v.param.numel() and v.master is None for v in views)
+    engine.destroy()

@@ -119,7 +119,8 @@ def test_host_memory_stays_flat_over_hundreds_of_steps(zero) -> None:
         if zero["stage"] == 2:
             return {id(b.master_grad) for b in strategy.buckets}
         # DPU alternates two gradient sets: both stay the same two
-        return {id(g) for g in strategy.flat_grad + strategy._spare_grads[0] + strategy.flat_master}
+        return {id(g) for g in strategy.masters.flat_grad + strategy.masters.spare_flat_grad
+                + strategy.masters.flat_master}
 
     buffers = host_buffers()
     rss = []

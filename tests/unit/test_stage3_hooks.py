@@ -82,7 +82,7 @@ def test_a_delayed_update_reaching_the_weights_releases_what_was_kept(how: str):
     engine.backward(engine(x2[:2], y2[:2]))
     engine.step()
     assert _gathered(engine) == {"fc1.weight", "fc1.bias"}
-    assert engine.strategy._bg is not None
+    assert engine.strategy.schedule.pending is not None
     getattr(engine.strategy, how)()
     assert _gathered(engine) == set()
     engine.destroy()

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ...comm.topology import group_world_rank
+from ...comm.topology import global_rank, group_world_rank  # noqa: F401 (re-exported)
 from ...errors import ZeroError
 from .storage import ShardStorage, TensorShard
 
@@ -111,10 +111,6 @@ class PartitionedParam:
 def group_info(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
     """(world, rank) of ``group``; a process without torch.distributed is a world of one."""
     return group_world_rank(group)
-
-
-def global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
-    return dist.get_global_rank(group, rank) if group is not None else rank
 
 
 # --- which partitioner holds a parameter ---------------------------------------------------

@@ -31,19 +31,20 @@ parameters (fewer than ``param_persistence_threshold`` elements) stay whole on e
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future
 from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
 
 from ...accelerator import get_accelerator
-from ...monitor.copy_timers import H2D, OffloadCopyTimer, copy_span
-from ...offload.background_step import submit_background_step
-from ...offload.cpu_worker import cpu_step_pool, detached_step
-from ...offload.host_grads import HostGradAccumulator, alloc_host
+from ...monitor.copy_timers import OffloadCopyTimer
+from ...offload.background_step import background_step
+from ...offload.cpu_worker import detached_step
 from ...offload.eager_steps import EagerSteps
-from ...offload.nvme_states import NvmeOptimizerStates, pieces_on_nvme, placeholder
+from ...offload.host_grads import HostGradAccumulator
+from ...offload.host_pieces import HostPieces
+from ...offload.step_schedule import StepSchedule
+from ...offload.nvme_states import NvmeOptimizerStates, pieces_on_nvme
 from ...offload.step_subset import HiddenGrads, step_subset
 from ...utils.logging import log_dist
 from ..data_parallel import DataParallelStrategy
@@ -52,7 +53,7 @@ from ..strategy import ZeroStrategy
 from .grad_reduce import GradReducer
 from .params import Stage3Params
 from .partition import PartitionedParam
-from .storage import TensorShard
+from .master_shards import MasterShards
 
 
 class Stage3Strategy(ZeroStrategy):
@@ -86,39 +87,19 @@ class Stage3Strategy(ZeroStrategy):
             [p for _, p in named if not persistent[id(p)]] for named in param_groups]
         self.frozen_parts = [p for _, p in frozen if not persistent[id(p)]]
         self._build_masters()
-        self.nvme: Optional[NvmeOptimizerStates] = (
+        self.nvme: Optional[NvmeOptimizerStates] = (  # the pieces' masters and states on NVMe
             pieces_on_nvme(config, [(self.piece[pid], self.rec[pid].shard[:self.rec[pid].own_len])
                                     for pid in self.piece]) if self.nvme_opt else None)
-        """``offload_optimizer.device`` "nvme": the pieces' masters and states in swap files."""
-        self._bg: Optional[Future] = None
-        """The background (delayed) step of the last boundary, not yet in the weights."""
-        # DPU with host shards: the background step also writes its result, into a second
-        # set of shards swapped in at the next boundary (the step's critical path then holds
-        # no pass over the model on the CPU); shards on the device are written at the swap
-        self._spare_shards: Dict[int, TensorShard] = {
-            id(p): TensorShard.copy_of(self.rec[id(p)].shard, self.shard_device,
-                                       self.compute_dtype, self.pin_param)
-            for params in self.trainable for p in params
-            if self.delayed and self.offload_param and id(p) in self.piece}
-        self._bg_hidden = HiddenGrads()
-        """Persistent masters' gradients, hidden from the background step."""
-        self._delayed_now = False
-        self._bg_pool = cpu_step_pool("shardwise-dpu") if self.delayed else None
 
-        # 4. hooks: gradients, module gather schedule, state_dict
+        # 4. the offloaded step (eager pieces, DPU) and the hooks: gradients, state_dict
+        self._build_offload_step()
         self.reducer = GradReducer(world=self.world, group=group, comm_dtype=self.comm_dtype,
                                    predivide=self.predivide, bucket_elems=self.reduce_bucket,
                                    deliver=self._deliver)
-        self._acc = HostGradAccumulator(self.device, self.master_device)
-        self._copy_timer: Optional[OffloadCopyTimer] = None
         self._inner: Optional[torch.optim.Optimizer] = None
         self._boundary = False
         self._final: Set[int] = set()
         """Parameters whose boundary gradient is final on the host (norm taken, maybe stepped)."""
-        self.eager_steps = EagerSteps(
-            pieces=self.piece, grads=lambda: self.grad_of, batch_elems=self.reduce_bucket // 10,
-            prescale=lambda: 1.0 / self.grad_divisor,
-            write_back=self._write_stepped if self.offload_param else None)
         self._written: Set[int] = set()
         """Parameters whose partition received a gradient in this window: the first one
         overwrites (so partitions need no zeroing pass), the others add."""
@@ -145,7 +126,6 @@ class Stage3Strategy(ZeroStrategy):
         oo = zero.offload_optimizer
         self.delayed = bool(self.offload_opt and getattr(oo, "delayed_update", False))
         self.delay_warmup = int(getattr(oo, "delayed_update_warmup", 0) or 0)
-        self.steps_done = 0
         self._fp16 = bool(config.fp16.enabled)
         # eager CPU step (offload_optimizer): the update of a parameter is known as soon as its
         # last gradient is on the host when nothing global changes it (no clipping, no loss
@@ -181,60 +161,63 @@ class Stage3Strategy(ZeroStrategy):
     def _log_layout(self) -> None:
         log_dist(f"ZeRO stage 3: masters on {self.master_device}", ranks=[0])
         if self.delayed:
-            spare = sum(g.numel() for g in self._spare_grads[0]) * 4
-            spare += sum(t.numel * t.tensor().element_size() for t in self._spare_shards.values())
+            spare = self.masters.spare_bytes()
+            spare += self.shards.spare_bytes()
             log_dist(f"ZeRO stage 3: delayed parameter update after {self.delay_warmup} "
                      f"step(s); a second set of host gradient partitions"
-                     f"{' and parameter shards' if self._spare_shards else ''} holds "
+                     f"{' and parameter shards' if self.shards.spare else ''} holds "
                      f"{spare / 2**30:.2f} GiB on this rank", ranks=[0])
 
     def _build_masters(self) -> None:
-        """One fp32 flat buffer (and gradient buffer) per group of this rank's owned elements
-        of the partitioned trainable parameters; each parameter's piece is a view."""
-        self.flat_master: List[torch.Tensor] = []
-        self.flat_grad: List[torch.Tensor] = []
-        self.piece: Dict[int, torch.Tensor] = {}
-        self.grad_of: Dict[int, torch.Tensor] = {}
-        """fp32 gradient partition of each partitioned parameter (a view into flat_grad)."""
-        # DPU steps one window's gradients in the background while the next window writes
-        # its own: a second set of gradient partitions, swapped at every delayed step
-        self._spare_grads: tuple = ([], {})
+        """This rank's fp32 masters of the partitioned trainable parameters and their
+        gradient partitions (:class:`~shardwise.offload.host_pieces.HostPieces`)."""
         self.rec: Dict[int, PartitionedParam] = {
             id(p): self.partitioner.record(p) for params in self.trainable for p in params}
         self.rec.update((id(p), self.partitioner.record(p)) for p in self.frozen_parts)
         """The partition record of each partitioned parameter the strategy trains or skips."""
+        self.masters = HostPieces([[(id(p), self.rec[id(p)]) for p in params]
+                                   for params in self.trainable],
+                                  device=self.master_device, pin=self.pin_opt,
+                                  double_grads=self.delayed, masters_on_nvme=self.nvme_opt)
         for params in self.trainable:
-            total = sum(self.rec[id(p)].own_len for p in params)
-            # NVMe: no host masters; each piece gets its values while its sub-group is stepped
-            master = (placeholder(total) if self.nvme_opt
-                      else alloc_host(total, self.master_device, self.pin_opt))
-            grads = [alloc_host(total, self.master_device, self.pin_opt)
-                     for _ in range(2 if self.delayed else 1)]
-            off = 0
             for p in params:
-                meta = self.rec[id(p)]
-                view = master[off:off + meta.own_len]
-                if not self.nvme_opt:
-                    view.copy_(meta.shard[:meta.own_len])
-                view.grad = grads[0][off:off + meta.own_len]
-                if meta.own_len:
-                    self.piece[id(p)] = view
-                    self.grad_of[id(p)] = view.grad
-                    if self.delayed:
-                        self._spare_grads[1][id(p)] = grads[1][off:off + meta.own_len]
-                off += meta.own_len
-                meta.on_modified = self._refresh_master
-            self.flat_master.append(master)
-            self.flat_grad.append(grads[0])
-            if self.delayed:
-                self._spare_grads[0].append(grads[1])
+                self.rec[id(p)].on_modified = self._refresh_master
+
+    def _build_offload_step(self) -> None:
+        """When the masters are stepped (:class:`StepSchedule`), the eager window and where
+        the stepped masters go (:class:`MasterShards`)."""
+        self.schedule = StepSchedule(delayed=self.delayed, warmup=self.delay_warmup,
+                                     name="shardwise-dpu", worker=self.delayed)
+        # DPU with host shards: the background step also writes its result, into a second
+        # set of shards swapped in at the next boundary (the step's critical path then holds
+        # no pass over the model on the CPU); shards on the device are written at the swap
+        self.shards = MasterShards(params=self.params, rec=self.rec, pieces=self.masters.piece,
+                                   device=self.device, spare=self.delayed and self.offload_param,
+                                   pin=self.pin_param,
+                                   masters_on_host=self.offload_opt and not self.offload_param)
+        self._bg_hidden = HiddenGrads()
+        """Persistent masters' gradients, hidden from the background step."""
+        self._acc = HostGradAccumulator(self.device, self.master_device)
+        self._copy_timer: Optional[OffloadCopyTimer] = None
+        self.eager_steps = EagerSteps(
+            pieces=self.masters.piece, grads=lambda: self.masters.grad_of,
+            batch_elems=self.reduce_bucket // 10,
+            prescale=lambda: 1.0 / self.grad_divisor,
+            write_back=self.shards.write_keys if self.offload_param else None)
+
+    # the masters' buffers, by their names of before (for callers outside this class)
+    flat_master = property(lambda self: self.masters.flat_master)
+    flat_grad = property(lambda self: self.masters.flat_grad)
+    piece = property(lambda self: self.masters.piece)
+    grad_of = property(lambda self: self.masters.grad_of)
 
     # --- optimizer groups -------------------------------------------------------------
     def master_param_groups(self) -> List[List[torch.Tensor]]:
         whole = self.whole.master_param_groups()
+        pieces = self.masters.piece
         out = []
         for gi, params in enumerate(self.trainable):
-            out.append([self.piece[id(p)] for p in params if id(p) in self.piece] + whole[gi])
+            out.append([pieces[id(p)] for p in params if id(p) in pieces] + whole[gi])
         return out
 
     # --- backward -----------------------------------------------------------------------
@@ -271,14 +254,15 @@ class Stage3Strategy(ZeroStrategy):
     def _deliver(self, p: torch.nn.Parameter, rec: PartitionedParam, chunk: torch.Tensor) -> None:
         """A reduced gradient chunk into its fp32 partition (on the host this only queues the
         copy and the add: nothing here waits for the CPU)."""
-        if id(p) not in self.grad_of:
+        grad = self.masters.grad_of.get(id(p))
+        if grad is None:
             return
         final = self._boundary and self.offload_opt
         first = id(p) not in self._written
         self._written.add(id(p))
         if final:
             self._final.add(id(p))
-        self._acc.add_into(self.grad_of[id(p)], chunk, first, final,
+        self._acc.add_into(grad, chunk, first, final,
                            self.eager_steps.finalizer(id(p))
                            if final and self.eager_steps.open else None)
 
@@ -286,16 +270,12 @@ class Stage3Strategy(ZeroStrategy):
         """``wall_clock_breakdown``: gradient copies to the host, shard fetches
         (``offload_param``) and master-to-shard copies (``offload_optimizer`` alone)."""
         self._copy_timer = timer
+        self.shards.copy_timer = timer
         if self.offload_opt:
             self._acc.copy_timer = timer
         if self.offload_param:
             self.gathers.copy_timer = timer
         self.whole.set_copy_timer(timer)
-
-    def _write_stepped(self, keys: List[int]) -> None:
-        """offload_param: pieces the eager step updated, into their host shards."""
-        for key in keys:
-            self.rec[key].storage.write_(self.piece[key])
 
     def after_backward(self, boundary: bool) -> None:
         self.reducer.drain()
@@ -310,11 +290,11 @@ class Stage3Strategy(ZeroStrategy):
         # unless the loss scaler's overflow check must read them now
         if not self._grads_in_flight():
             self._acc.wait()
-        for pid, g in self.grad_of.items():
+        for pid, g in self.masters.grad_of.items():
             if pid not in self._written:
                 g.zero_()  # no gradient in this window (a skipped module)
                 self._written.add(pid)
-        return [g for g in self.flat_grad if g.numel()] + self.whole.master_grads()
+        return self.masters.grads() + self.whole.master_grads()
 
     def grad_norms(self, grads: List[torch.Tensor], in_order: bool = True) -> List[torch.Tensor]:
         """Host partitions: the norms the worker took as each gradient became final (a
@@ -322,11 +302,12 @@ class Stage3Strategy(ZeroStrategy):
         Out of order, their total is summed on the copy stream, behind the last copies."""
         if not self.offload_opt:
             return super().grad_norms(grads)
-        n_host = sum(1 for g in self.flat_grad if g.numel())
-        rest_ids = [pid for pid in self.grad_of if pid not in self._final]
+        n_host = len(self.masters.grads())
+        grad_of = self.masters.grad_of
+        rest_ids = [pid for pid in grad_of if pid not in self._final]
         if rest_ids and self._grads_in_flight():
             self._acc.wait()  # a parameter without a boundary gradient is measured on the host
-        rest = sum(float(torch.dot(self.grad_of[pid], self.grad_of[pid])) for pid in rest_ids)
+        rest = sum(float(torch.dot(grad_of[pid], grad_of[pid])) for pid in rest_ids)
         whole = super().grad_norms(grads[n_host:])
         side = self.side_norm_stream() if not in_order else None
         with side if side is not None else contextlib.nullcontext():
@@ -347,28 +328,23 @@ class Stage3Strategy(ZeroStrategy):
             self.eager_steps.finish([id(p) for params in self.trainable for p in params],
                                     lambda: self.whole.optimizer_step(inner, factor))
             return
-        self._delayed_now = self._next_step_delayed()
-        self.steps_done += 1
-        if factor is not None and not self._delayed_now:
-            for g in self.flat_grad:
-                if g.numel():
-                    g.mul_(factor.to(g.device))
-        if not self._delayed_now:
-            if self.nvme is not None:
-                self._nvme_step(inner, factor)
-                return
-            if self.delayed:
-                self._attach_piece_grads(self.grad_of)
-            # scales the persistent parameters' gradients too, then runs inner.step() once
-            self.whole.optimizer_step(inner, factor)
+        if self.schedule.begin_step():
+            self._delayed_step(inner, factor)
             return
-        self._delayed_step(inner, factor)
+        self.masters.scale_grads(factor)
+        if self.nvme is not None:
+            self._nvme_step(inner, factor)
+            return
+        if self.delayed:
+            self.masters.attach_grads(True)
+        # scales the persistent parameters' gradients too, then runs inner.step() once
+        self.whole.optimizer_step(inner, factor)
 
     # --- offload_optimizer on NVMe (offload/nvme_states.py) ---------------------------------
     def _nvme_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
         """The persistent masters (on the device), then the pieces' sub-groups streamed from
         the swap files, each written into its shards as soon as it is stepped."""
-        self._attach_piece_grads(None)
+        self.masters.attach_grads(False)
         self.whole.optimizer_step(inner, factor)  # the pieces have no gradient attached
         whole = [m for group in self.whole.master_param_groups() for m in group]
         pid_of = {id(piece): pid for pid, piece in self.piece.items()}
@@ -382,7 +358,7 @@ class Stage3Strategy(ZeroStrategy):
             for key in self.nvme.groups[i].keys:
                 self.rec[pid_of[id(key)]].storage.write_(key, non_blocking=True)
             if self.offload_param or self.device.type != "cuda":
-                return None
+                return None  # host shards: written synchronously
             done = get_accelerator().Event()
             done.record(get_accelerator().current_stream(self.device))
             return done.synchronize  # the ring buffer is read again only after this copy
@@ -398,56 +374,34 @@ class Stage3Strategy(ZeroStrategy):
         persistent ones included: their (small) device step runs here, but their weights are
         written only when the partitioned ones are."""
         self._apply_delayed()  # the update of step t-1 into the weights: they become w[t]
-        self._attach_piece_grads(None)
+        self.masters.attach_grads(False)
         self.whole.optimizer_step(inner, factor)  # persistent masters only (pieces have no grad)
-        self._attach_piece_grads(self.grad_of)
+        self.masters.attach_grads(True)
         self._bg_hidden.hide(m for group in self.whole.master_param_groups() for m in group)
         # the scheduler changes the rates as soon as the engine's step returns: a snapshot
-        self._bg = submit_background_step(
-            self._bg_pool, step=detached_step(inner),
-            grads=[g for g in self.flat_grad if g.numel()], factor=factor,
+        self.schedule.submit_delayed(background_step(
+            step=detached_step(inner), grads=self.masters.grads(), factor=factor,
             master_device=self.master_device, grads_ready=self._acc.fence(),
-            writes=[(self.piece[pid], spare.tensor()) for pid, spare in self._spare_shards.items()])
+            writes=self.shards.spare_writes()))
         # the next window accumulates into the other partitions while this one is stepped
-        spare_flat, spare_of = self._spare_grads
-        self._spare_grads = (self.flat_grad, self.grad_of)
-        self.flat_grad, self.grad_of = spare_flat, spare_of
-
-    def _next_step_delayed(self) -> bool:
-        return self.delayed and self.steps_done >= self.delay_warmup
+        self.masters.swap_grads()
 
     def _grads_in_flight(self) -> bool:
         """Between master_grads and the step: the boundary's last gradient copies are left in
         flight for the delayed step to wait for."""
-        return self._next_step_delayed() and not self._fp16
-
-    def _attach_piece_grads(self, grad_of: Optional[Dict[int, torch.Tensor]]) -> None:
-        for pid, piece in self.piece.items():
-            piece.grad = None if grad_of is None else grad_of[pid]
+        return self.schedule.next_delayed() and not self._fp16
 
     def _apply_delayed(self) -> None:
         """Finish the background step and write its result into the weights."""
-        if self._bg is None:
+        if not self.schedule.finish_delayed():
             return
-        bg, self._bg = self._bg, None
-        bg.result()
         self._bg_hidden.restore()
-        self._attach_piece_grads(None)
-        if self._spare_shards:
-            self._swap_shards()
+        self.masters.attach_grads(False)
+        if self.shards.spare:
+            self.shards.swap_spares()
         else:
-            self._write_shards(skip=set())
+            self.shards.write()
         self.whole.after_step(True)
-
-    def _swap_shards(self) -> None:
-        """The shards the background step wrote become the weights; the others (no copy to
-        the device may still read them) receive the next background step's result."""
-        self.params.before_shard_write()
-        for params in self.trainable:
-            for p in params:
-                spare = self._spare_shards.get(id(p))
-                if spare is not None:
-                    self.rec[id(p)].storage.swap(spare)
 
     def bind_optimizer(self, inner: torch.optim.Optimizer) -> None:
         self._inner = inner
@@ -464,32 +418,14 @@ class Stage3Strategy(ZeroStrategy):
     def after_step(self, applied: bool) -> None:
         if not applied:
             return
-        if self._delayed_now:
+        if self.schedule.delayed_now:
             self.gathers.sweep()
             return  # written at the next boundary (or by flush), one step late by design
         self._acc.wait()
         skip = self.eager_steps.stepped if self.offload_param else set()
-        self._write_shards(skip=set(self.piece) if self.nvme is not None else skip)
+        self.shards.write(skip=set(self.piece) if self.nvme is not None else skip)
         self.eager_steps.stepped = set()
         self.whole.after_step(applied)
-
-    def _write_shards(self, skip: Set[int]) -> None:
-        """The updated masters into the compute-dtype shards (but those in ``skip``, which an
-        eager step already wrote)."""
-        self.params.before_shard_write()
-        # the masters' copy to the device shards (offload_optimizer without offload_param)
-        timed = self._copy_timer if self.offload_opt and not self.offload_param else None
-        stream = (get_accelerator().current_stream(self.device)
-                  if timed is not None and self.device.type == "cuda" else None)
-        with copy_span(timed, H2D, stream):
-            for params in self.trainable:
-                for p in params:
-                    piece = self.piece.get(id(p))
-                    if piece is not None and id(p) not in skip:
-                        self.rec[id(p)].storage.write_(piece, non_blocking=True)
-        if self.offload_opt and not self.offload_param and self.device.type == "cuda":
-            # the shards were DMA'd from the pinned masters, which the next CPU step rewrites
-            get_accelerator().current_stream(self.device).synchronize()
 
     def zero_grads(self) -> None:
         if self.eager_steps.open:
@@ -499,7 +435,7 @@ class Stage3Strategy(ZeroStrategy):
         # nothing to clear: each partition's first gradient of the next window overwrites it
         # (master_grads zeroes those that get none); the copy stream runs in order, so the
         # next window's copies follow a delayed step's still in flight
-        if not self._delayed_now:
+        if not self.schedule.delayed_now:
             self._acc.wait()
         self._written = set()
         for params in self.trainable:
@@ -517,7 +453,8 @@ class Stage3Strategy(ZeroStrategy):
             meta = self.rec[id(p)]
             views.append(ShardView(name=self.names[id(p)], param=p, global_shape=meta.shape,
                                    start=meta.own_lo, end=meta.own_hi,
-                                   weight=meta.shard[:meta.own_len], master=self.piece.get(id(p))))
+                                   weight=meta.shard[:meta.own_len],
+                                   master=self.masters.piece.get(id(p))))
         return views + self.whole.shard_views()
 
     def refresh_after_load(self, weights_only: bool = False) -> None:
@@ -525,18 +462,7 @@ class Stage3Strategy(ZeroStrategy):
         self._acc.wait()
         if self.nvme is not None:
             self.nvme.materialize()
-        self.params.before_shard_write()
-        with torch.no_grad():
-            for params in self.trainable:
-                for p in params:
-                    piece = self.piece.get(id(p))
-                    if piece is None:
-                        continue
-                    storage = self.rec[id(p)].storage
-                    if weights_only:
-                        piece.copy_(storage.tensor()[:piece.numel()])
-                    else:
-                        storage.write_(piece)
+        self.shards.load(weights_only)
         if self.nvme is not None:
             self.nvme.dematerialize(write=True)  # the loaded values into the swap files
         self.whole.refresh_after_load(weights_only)
@@ -546,7 +472,7 @@ class Stage3Strategy(ZeroStrategy):
 
     # --- GatheredParameters(modifier_rank=...) support ---------------------------------
     def _refresh_master(self, p: torch.nn.Parameter) -> None:
-        piece = self.piece.get(id(p))
+        piece = self.masters.piece.get(id(p))
         if piece is None:
             return
         rec = self.rec[id(p)]
@@ -555,7 +481,7 @@ class Stage3Strategy(ZeroStrategy):
                 self.nvme.edit(piece, lambda m: m.copy_(rec.shard[:m.numel()]))
             return
         with torch.no_grad():
-            if self._bg is not None:
+            if self.schedule.pending is not None:
                 # a delayed update is still pending: it reaches every weight first (it would
                 # otherwise overwrite the edit at the next boundary), then the edit wins
                 edited = rec.shard[:piece.numel()].clone()
@@ -565,8 +491,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def remove_hooks(self) -> None:
         self.flush()
-        if self._bg_pool is not None:
-            self._bg_pool.shutdown(wait=True)
+        self.schedule.close()
         self._acc.close()
         if self.nvme is not None:
             self.nvme.close()
