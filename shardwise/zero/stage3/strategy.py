@@ -342,8 +342,7 @@ class Stage3Strategy(ZeroStrategy):
 
     # --- offload_optimizer on NVMe (offload/nvme_states.py) ---------------------------------
     def _nvme_step(self, inner: torch.optim.Optimizer, factor: Optional[torch.Tensor]) -> None:
-        """The persistent masters (on the device), then the pieces' sub-groups streamed from
-        the swap files, each written into its shards as soon as it is stepped."""
+        """Persistent masters, then the pieces' sub-groups streamed from swap, each written."""
         self.masters.attach_grads(False)
         self.whole.optimizer_step(inner, factor)  # the pieces have no gradient attached
         whole = [m for group in self.whole.master_param_groups() for m in group]
