@@ -128,7 +128,7 @@ class Stage3Strategy(ZeroStrategy):
         self.predivide = float(getattr(config, "gradient_predivide_factor", 1.0) or 1.0)
         self.gather_on_save = bool(zero.gather_16bit_weights_on_model_save)
         self.reduce_bucket = max(1, int(zero.reduce_bucket_size))
-        self.offload_param = zero.offload_param_device == "cpu"
+        self.offload_param = zero.offload_param_device in ("cpu", "nvme")  # shards on the host
         self.offload_opt = zero.offload_optimizer_device == "cpu"
         self.pin_param = bool(self.offload_param and zero.offload_param.pin_memory)
         self.pin_opt = bool(self.offload_opt and zero.offload_optimizer.pin_memory)
@@ -206,7 +206,7 @@ class Stage3Strategy(ZeroStrategy):
             for p in params:
                 meta = self.rec[id(p)]
                 view = master[off:off + meta.own_len]
-                view.copy_(meta.shard[:meta.own_len])
+                meta.storage.copy_to(view)
                 view.grad = grads[0][off:off + meta.own_len]
                 if meta.own_len:
                     self.piece[id(p)] = view
