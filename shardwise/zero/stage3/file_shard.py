@@ -147,6 +147,9 @@ class ParamSwapper:
         self.nvme_bytes = 0
         self.in_cpu = 0
         """NVMe-sized shards kept in host memory by the ``max_in_cpu`` budget."""
+        self.stats = {"demand_reads": 0, "read_ahead": 0, "read_ahead_used": 0, "writes": 0}
+        """Counts of swap-file reads started on demand / ahead of use, read-aheads staged
+        (found in memory when needed), and writes."""
 
     @classmethod
     def from_config(cls, config: Any, rank: int, training: bool) -> "ParamSwapper":
@@ -274,6 +277,7 @@ class ParamSwapper:
                 return False
             slot = self._acquire(shard.target.nbytes)
             self._start_read(shard, slot)
+            self.stats["read_ahead"] += 1
             return True
 
     def staged(self, shard: FileShard) -> torch.Tensor:
@@ -286,6 +290,9 @@ class ParamSwapper:
                 self._wait_write(shard)
                 slot = self._acquire(shard.target.nbytes)
                 self._start_read(shard, slot)
+                self.stats["demand_reads"] += 1
+            else:
+                self.stats["read_ahead_used"] += 1
             if slot.req is not None:
                 slot.req.wait()
                 slot.req = None
@@ -368,6 +375,7 @@ class ParamSwapper:
         slot.req = self.files.write_request(slot.buf, shard.target)
         slot.state, slot.owner = WRITING, shard
         shard._writing = slot
+        self.stats["writes"] += 1
 
     def swap(self, a: FileShard, b: FileShard) -> None:
         with self._lock:

@@ -306,17 +306,18 @@ class ParamCoordinator:
             if full:
                 resume = i
                 break
+        nvme = self.partitioner.swapper is not None
+        if nvme:  # the batch's swap-file reads all in flight before it is staged one by one
+            self._read_ahead(trace, positions)
         self.gathers.start(batch.values())
-        if self.partitioner.swapper is not None:
-            step = positions.step if len(positions) else 1
-            end = positions.stop if len(positions) else resume
-            self._read_ahead(trace, range(resume, end, step))
+        if nvme:  # the copies freed read buffers: read on past the gathered modules
+            self._read_ahead(trace, range(resume, positions.stop, positions.step))
         return resume
 
     def _read_ahead(self, trace: Trace, positions: range) -> None:
-        """offload_param on NVMe: start reading the swap files of the modules after the
-        gathered ones, in trace order, while read buffers are free (``READ_AHEAD`` modules
-        at most; the reads are local, so ranks need not agree on them)."""
+        """offload_param on NVMe: start reading the swap files of the modules along
+        ``positions``, in trace order, while read buffers are free (``READ_AHEAD`` modules at
+        most; the reads are local, so ranks need not agree on them)."""
         for i in positions[:READ_AHEAD]:
             for rec in trace.params[i]:
                 if rec.status == RELEASED and not rec.storage.prefetch():
