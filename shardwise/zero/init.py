@@ -36,6 +36,7 @@ from torch.nn.modules import module as _module_mod
 
 from .. import comm
 from ..errors import ConfigError, ZeroError
+from ..utils.logging import log_dist
 from .stage3 import partition as P
 
 
@@ -91,8 +92,11 @@ class Init:
             pin_memory = pin_memory or bool(offload.get("pin_memory", False))
         remote_device = (remote_device or "none").lower()
         if remote_device == "nvme":
-            raise ConfigError("zero.Init(remote_device=\"nvme\") is not supported (no async-IO "
-                              "extension is compiled); use remote_device=\"cpu\"")
+            # the swap files belong to the engine (its nvme_path, its lifetime): partitions are
+            # built in host memory here and initialize() moves them to the disk as it adopts them
+            log_dist("zero.Init(remote_device=\"nvme\"): partitions are built in host memory; "
+                     "initialize() moves them to the offload_param swap files", ranks=[0])
+            remote_device = "cpu"
         if remote_device not in ("none", "cpu"):
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}): expected None, "
                               "\"none\" or \"cpu\"")

@@ -166,6 +166,29 @@ def _tiny_engine(tmp_path: Path, **offload_param):
     return shardwise.initialize(model=model, config=cfg)[0]
 
 
+def test_zero_init_with_nvme_builds_in_host_memory_then_initialize_moves_to_files(
+        tmp_path: Path) -> None:
+    """DeepSpeed scripts pass the same ds_config to zero.Init: remote_device "nvme" builds the
+    partitions in host memory and initialize() moves them into its swap files."""
+    import shardwise
+    from shardwise.zero import Init
+    from shardwise.zero.stage3.file_shard import FileShard
+    from shardwise.zero.stage3.partition import record_of
+    cfg = nvme_config(str(tmp_path))
+    with Init(config_dict_or_path=cfg):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    assert record_of(model[0].weight).storage.resident
+    torch.manual_seed(0)
+    want = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).state_dict()
+    engine = shardwise.initialize(model=model, config=cfg)[0]
+    assert isinstance(record_of(model[0].weight).storage, FileShard)
+    assert len(swap_files(str(tmp_path))) == 3
+    got = full_params(engine)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    engine.destroy()
+
+
 def test_bad_nvme_settings_are_clear_errors(tmp_path: Path) -> None:
     from shardwise.errors import ConfigError, StorageError
     a_file = tmp_path / "not_a_folder"
