@@ -118,14 +118,24 @@ class MemoryCap:
     def run(self, argv: List[str], log_path: Path, timeout_s: float,
             env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> CappedRun:
         """Run ``argv`` (output to ``log_path``) under the cap and a timeout."""
-        group = self._make_group() if self.kind == "cgroup" else None
+        group = None
+        if self.kind == "cgroup":
+            try:
+                group = self._make_group()
+            except OSError as exc:  # the probe passed but this group cannot be made: watch instead
+                self.kind, self.why_not_cgroup = "watchdog", f"cgroup setup failed ({exc})"
         start = time.perf_counter()
         peak, status = 0, None
         with log_path.open("w") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
             try:
                 if group is not None:  # before the child has imported anything large
-                    (group / "cgroup.procs").write_text(str(proc.pid))
+                    try:
+                        (group / "cgroup.procs").write_text(str(proc.pid))
+                    except OSError as exc:
+                        self.kind, self.why_not_cgroup = "watchdog", f"cgroup.procs: {exc}"
+                        group.rmdir()
+                        group = None
                 ps = psutil.Process(proc.pid)
                 while status is None:
                     try:

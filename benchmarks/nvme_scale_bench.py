@@ -195,8 +195,8 @@ def has_nvme_optimizer(nvme_path: str, log_dir: Path) -> bool:
 def start_rung(ladder: List[int], sizes: List[int], label: str, cap_gib: float,
                disk_gib: float) -> int:
     """The largest rung the mode's bytes/parameter predict to fit (host and disk)."""
-    fits = [i for i, n in enumerate(sizes)
-            if n * HOST_BYTES[label] / GIB + 4 <= cap_gib and n * DISK_BYTES[label] / GIB <= disk_gib]
+    fits = [i for i, n in enumerate(sizes) if n * HOST_BYTES[label] / GIB + 4 <= cap_gib
+            and n * DISK_BYTES[label] / GIB <= disk_gib]
     return fits[-1] if fits else 0
 
 
@@ -237,10 +237,15 @@ def run_mode(mode: str, args: argparse.Namespace, cap: MemoryCap, opt_nvme: bool
             row["error"] = f"the swap files need more than the {disk_gib:.0f} GiB free on the disk"
             return row
         log = log_dir / f"{mode}_{layers}.log"
+        # a folder per trial, removed after it: a trial killed at the cap cannot clean up
+        swap = Path(args.nvme_path) / f"nvme_scale_{mode}_{layers}_{os.getpid()}"
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--config-json",
-                cfg.to_json(), "--nvme-path", args.nvme_path] + (["--opt-nvme"] if opt_nvme else [])
-        ran = cap.run(argv, log, min(args.trial_timeout, max(10.0, left)), env=_child_env(),
-                      cwd=str(BENCH_DIR.parent))
+                cfg.to_json(), "--nvme-path", str(swap)] + (["--opt-nvme"] if opt_nvme else [])
+        try:
+            ran = cap.run(argv, log, min(args.trial_timeout, max(10.0, left)), env=_child_env(),
+                          cwd=str(BENCH_DIR.parent))
+        finally:
+            shutil.rmtree(swap, ignore_errors=True)
         row.update(_result_of(log) or {}, peak_gib=ran.peak_bytes / GIB, wall_s=ran.wall_s)
         if ran.status == "oom":
             row["error"] = f"over the {args.cap_gib:g} GiB cap ({cap.kind})"
@@ -248,8 +253,9 @@ def run_mode(mode: str, args: argparse.Namespace, cap: MemoryCap, opt_nvme: bool
             row["error"] = "timed out (trial limit or --max-seconds)"
         elif ran.status != "ok" and not row.get("error"):
             row["error"] = f"exit code {ran.returncode}"
-        print(f"[nvme_scale] {label} {layers} layers ({row['n_params'] / 1e9:.2f}B): "
-              f"{row.get('error') or 'trained, peak %.1f GiB, %.0f tok/s' % (row['peak_gib'], row['tok_s'])}",
+        done = row.get("error") or (f"trained, peak {row['peak_gib']:.1f} GiB, "
+                                    f"{row['tok_s']:.0f} tok/s")
+        print(f"[nvme_scale] {label} {layers} layers ({row['n_params'] / 1e9:.2f}B): {done}",
               flush=True)
         return row
 
@@ -267,7 +273,8 @@ def report(rows: List[Dict[str, Any]], modes: List[str], cap: MemoryCap, args) -
         row["params_b"] = row["n_params"] / 1e9
     print(f"\ncap: {cap.kind} ({args.cap_gib:g} GiB"
           f"{'' if cap.kind == 'cgroup' else '; no cgroup: ' + str(cap.why_not_cgroup)}), "
-          f"width {args.hidden}/{args.intermediate}, micro batch {args.micro_batch} x {args.seq}, bf16")
+          f"width {args.hidden}/{args.intermediate}, micro batch {args.micro_batch} x "
+          f"{args.seq}, bf16")
     print(format_table(rows, COLUMNS))
     best: Dict[str, Dict[str, Any]] = {}
     for row in rows:
@@ -278,8 +285,9 @@ def report(rows: List[Dict[str, Any]], modes: List[str], cap: MemoryCap, args) -
     cpu = best.get("cpu")
     nvme = next((best[k] for k in ("nvme", "nvme (params)") if k in best), None)
     ratio = nvme["n_params"] / cpu["n_params"] if cpu and nvme else None
-    print(f"NVMe/CPU largest parameters: {f'{ratio:.2f}x' if ratio else '-'}"
-          f"{' (optimizer on the host: NVMe optimizer offload not in this build)' if nvme and nvme['mode'] == 'nvme (params)' else ''}")
+    note = (" (optimizer on the host: no NVMe optimizer offload in this build)"
+            if nvme is not None and nvme["mode"] == "nvme (params)" else "")
+    print(f"NVMe/CPU largest parameters: {f'{ratio:.2f}x' if ratio else '-'}{note}")
     return {"cap": cap.kind, "cap_gib": args.cap_gib, "rows": rows, "ratio": ratio}
 
 
@@ -290,13 +298,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ladder", default=LADDER, help="decoder layers of the rungs, ascending")
     add_shape_args(p, layers=False, hidden=4096, intermediate=11008, kv_heads=32,
                    micro_batch=1, seq=1024)
-    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    p.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up step")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--cap-gib", type=float, default=32.0, help="host memory cap per trial")
     p.add_argument("--no-cgroup", action="store_true", help="use the RSS watchdog even where a "
                                                             "cgroup v2 memory group is possible")
-    p.add_argument("--nvme-path", default=os.environ.get("NVME_PATH", tempfile.gettempdir()),
-                   help="folder for the swap files (a local NVMe disk)")
+    swap_default = str(BENCH_DIR.parent / "out" / "nvme_swap")
+    p.add_argument("--nvme-path", default=os.environ.get("NVME_PATH", swap_default),
+                   help="folder for the swap files (a local NVMe disk; not tmpfs)")
     p.add_argument("--max-seconds", type=float, default=540.0, help="budget of the whole run")
     p.add_argument("--trial-timeout", type=float, default=200.0, help="seconds per trial")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", BENCH_DIR.parent / "out"))
@@ -306,6 +315,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--opt-nvme", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def filesystem_of(path: str) -> str:
+    """The filesystem type of the mount holding ``path`` ("" when unknown)."""
+    import psutil
+    real, best = os.path.realpath(path), None
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint
+        if (real == mount or real.startswith(mount.rstrip(os.sep) + os.sep)) and \
+                (best is None or len(mount) > len(best.mountpoint)):
+            best = part
+    return best.fstype if best is not None else ""
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -318,6 +339,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if bad:
         raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)}")
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+    fstype = filesystem_of(args.nvme_path)
+    if fstype in ("tmpfs", "ramfs"):
+        print(f"[nvme_scale] WARNING: --nvme-path {args.nvme_path} is on {fstype}: the swap "
+              "files live in RAM (and count against the cap). Pass a folder on a disk.", flush=True)
     cap = MemoryCap(int(args.cap_gib * GIB), prefer_cgroup=not args.no_cgroup)
     print(f"[nvme_scale] cap: {cap.kind}"
           f"{'' if cap.kind == 'cgroup' else ' (' + str(cap.why_not_cgroup) + ')'}", flush=True)

@@ -51,7 +51,8 @@ def test_no_cgroup_v2_mount_is_reported(tmp_path):
 def test_watchdog_kills_a_child_over_the_cap(tmp_path):
     cap = MemoryCap(150 * 2**20, prefer_cgroup=False)
     assert cap.kind == "watchdog"
-    hog = "import time; b = bytearray(400 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(30)"
+    hog = ("import time; b = bytearray(400 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+           "time.sleep(30)")
     ran = cap.run([sys.executable, "-c", hog], tmp_path / "hog.log", timeout_s=60)
     assert ran.status == "oom" and ran.peak_bytes > 150 * 2**20 and ran.wall_s < 30
     ran = cap.run([sys.executable, "-c", "print('small')"], tmp_path / "ok.log", timeout_s=60)

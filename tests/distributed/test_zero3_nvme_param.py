@@ -71,7 +71,7 @@ def _train(rank: int, world: int, kind: str, nvme_root: str) -> dict:
 
 def _check(result: dict, kind: str, world: int) -> None:
     assert result["on_nvme"] == result["parts"] > 0, "every partition goes to the swap files"
-    assert result["files_during"] == result["on_nvme"], "one swap file per partition during training"
+    assert result["files_during"] == result["on_nvme"], "one swap file per partition"
     assert result["stats"]["read_ahead_used"] > 0, "the recorded trace read partitions ahead of use"
     assert result["stats"]["writes"] >= STEPS * result["on_nvme"], "updated shards written back"
     assert result["numel_outside"] == 0, "a partitioned parameter left gathered after the step"
@@ -126,7 +126,8 @@ def test_max_in_cpu_and_min_nvme_bytes_keep_partitions_in_host_memory(tmp_path: 
     embed = 128 * 32  # the embedding's partition: the first large one in parameter order
     cfg = nvme_config(str(tmp_path), max_in_cpu=embed, min_nvme_bytes=32 * 64 * 4)
     engine, *_ = shardwise.initialize(model=build("llama-gqa"), config=cfg)
-    recs = {n: record_of(p) for n, p in engine.module.named_parameters() if record_of(p) is not None}
+    recs = {n: record_of(p) for n, p in engine.module.named_parameters()
+            if record_of(p) is not None}
     on_file = {n for n, r in recs.items() if isinstance(r.storage, FileShard)}
     assert "model.embed_tokens.weight" not in on_file  # within max_in_cpu
     assert "model.layers.0.self_attn.q_proj.weight" not in on_file  # 4 KiB < min_nvme_bytes
@@ -154,7 +155,7 @@ def test_checkpoint_of_nvme_run_resumes_with_cpu_offload(tmp_path: Path) -> None
         other, *_ = shardwise.initialize(model=build("llama-gqa", seed=1), config=cfg)
         other.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
         got = full_params(other)
-        assert all(torch.equal(got[k], want[k]) for k in want), cfg["zero_optimization"]["offload_param"]
+        assert all(torch.equal(got[k], want[k]) for k in want), cfg["zero_optimization"]
         other.destroy()
 
 

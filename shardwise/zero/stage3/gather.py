@@ -65,7 +65,8 @@ class GatherContext:
             if rec.status != RELEASED:
                 continue  # already gathered, or earlier in this batch (a tied weight)
             if rec.full is None:
-                rec.full = torch.empty(rec.padded, dtype=rec.storage.dtype, device=rec.compute_device)
+                rec.full = torch.empty(rec.padded, dtype=rec.storage.dtype,
+                                       device=rec.compute_device)
                 rec.gathered = rec.full[:rec.numel].view(rec.shape)
             storage = rec.full.untyped_storage()
             nbytes = rec.padded * rec.full.element_size()
