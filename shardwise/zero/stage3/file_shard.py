@@ -17,6 +17,8 @@ host buffers that shards are read into and written from:
 - ``tensor()`` is a host *copy* held until the next :meth:`ParamSwapper.commit_held` (which
   ``Stage3Params.before_shard_write`` calls): edits made to it in place (a checkpoint load
   into ``ShardView.weight``) are written back then, found by the tensor's version counter.
+  An unedited copy is dropped at the shard's next gather (a checkpoint save's copies do not
+  outlive the save in host memory).
 
 Placement follows DeepSpeed: partitions under ``min_nvme_bytes`` (1 MiB) stay in host
 memory, and with an optimizer the first ``max_in_cpu`` elements of the NVMe-sized ones too;
@@ -271,8 +273,9 @@ class ParamSwapper:
         with self._lock:
             if shard._slot is not None or shard._held is not None:
                 return True
-            if shard._writing is not None and not shard._writing.settled():
-                return True
+            w = shard._writing
+            if w is not None and w.owner is shard and w.state == WRITING and not w.settled():
+                return True  # read it once its write is done (on demand, or a later read-ahead)
             if self._available() < 2:
                 return False
             slot = self._acquire(shard.target.nbytes)
@@ -284,7 +287,10 @@ class ParamSwapper:
         """The shard's elements in host memory for a copy (a pool buffer until unstage)."""
         with self._lock:
             if shard._held is not None:
-                return shard._held
+                if shard._held._version != shard._held_version:
+                    return shard._held  # edited in place, not committed yet: the newest values
+                shard._held = None  # an unedited copy (a checkpoint save's): not kept past use
+                self._holding.discard(shard)
             slot = shard._slot
             if slot is None:
                 self._wait_write(shard)

@@ -1,0 +1,91 @@
+"""``FileShard`` / ``ParamSwapper`` (offload_param on NVMe) on their own: values survive the
+pool's read-ahead, buffer reuse, writes, partial writes, in-place edits of held copies and
+swaps; the folder goes with close()."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.io.swap_files import SwapFiles
+from shardwise.zero.stage3.file_shard import FileShard, ParamSwapper
+
+
+def _swapper(tmp_path: Path, buffers: int = 2) -> ParamSwapper:
+    files = SwapFiles(str(tmp_path), 0, key="offload_param.nvme_path")
+    return ParamSwapper(files, buffer_count=buffers, buffer_elems=10_000, cpu_budget=0,
+                        min_bytes=0)
+
+
+def _shards(sw: ParamSwapper, n: int, numel: int = 1500):
+    values = [torch.randn(numel) for _ in range(n)]
+    shards = [sw.place(v[:numel - 3], numel, torch.float32, torch.Size([numel])) for v in values]
+    for v in values:
+        v[numel - 3:] = 0  # the padding past the values given is zero
+    return shards, values
+
+
+def _read(shard: FileShard) -> torch.Tensor:
+    out = shard.staged().clone()
+    shard.unstage()
+    return out
+
+
+def test_values_through_read_ahead_and_buffer_reuse(tmp_path: Path) -> None:
+    sw = _swapper(tmp_path)
+    shards, values = _shards(sw, 4)
+    assert all(isinstance(s, FileShard) for s in shards)
+    sw.flush()  # the initial writes are done: their buffers are free
+    assert shards[0].prefetch()  # one buffer of two: the other stays for demand reads
+    assert not shards[1].prefetch()
+    for shard, want in zip(shards[::-1], values[::-1]):  # demand reads take the buffer back
+        assert torch.equal(_read(shard), want)
+    assert torch.equal(_read(shards[0]), values[0])
+    assert sw.stats["read_ahead"] == 1 and sw.stats["demand_reads"] >= 4
+    sw.close()
+
+
+def test_writes_partial_writes_and_held_copies(tmp_path: Path) -> None:
+    sw = _swapper(tmp_path, buffers=3)
+    shards, values = _shards(sw, 3)
+    new = torch.randn(1500)
+    shards[0].write_(new)
+    assert torch.equal(_read(shards[0]), new)  # the read waits for the write
+    shards[1].write_(torch.ones(4), offset=10)  # read, modify, write
+    values[1][10:14] = 1
+    assert torch.equal(_read(shards[1]), values[1])
+    dst = torch.empty(7)
+    shards[1].copy_to(dst)
+    assert torch.equal(dst, values[1][:7])
+    held = shards[2].tensor()  # a copy: edits reach the file at commit
+    held[:5].copy_(torch.full((5,), 3.0))
+    values[2][:5] = 3.0
+    assert torch.equal(shards[2].tensor(), values[2])  # the same held copy
+    sw.commit_held()
+    assert shards[2]._held is None and torch.equal(_read(shards[2]), values[2])
+    clean = shards[0].tensor()  # unedited: dropped at the next gather, no write
+    writes = sw.stats["writes"]
+    assert torch.equal(_read(shards[0]), clean) and shards[0]._held is None
+    sw.commit_held()
+    assert sw.stats["writes"] == writes
+    shards[0].swap(shards[2])
+    assert torch.equal(_read(shards[0]), values[2]) and torch.equal(_read(shards[2]), new)
+    folder = Path(sw.path)
+    assert len(list(folder.glob("*.swp"))) == 3
+    sw.close()
+    assert not folder.exists()
+
+
+def test_placement_rules(tmp_path: Path) -> None:
+    files = SwapFiles(str(tmp_path), 0, key="offload_param.nvme_path")
+    sw = ParamSwapper(files, buffer_count=2, buffer_elems=1000, cpu_budget=600, min_bytes=1024)
+    t = torch.zeros(900)
+    assert sw.place(t[:200], 200, torch.float32, torch.Size([200])) is None  # 800 B < 1 KiB
+    assert sw.place(t[:500], 500, torch.float32, torch.Size([500])) is None  # max_in_cpu
+    assert isinstance(sw.place(t[:300], 300, torch.float32, torch.Size([300])), FileShard)
+    from shardwise.errors import ConfigError
+    with pytest.raises(ConfigError, match="buffer_size = 1000 elements.*at least 1200"):
+        sw.place(torch.zeros(1200), 1200, torch.float32, torch.Size([1200]))
+    assert (sw.on_nvme, sw.in_cpu) == (1, 1)
+    sw.close()
