@@ -208,8 +208,9 @@ def test_bad_nvme_settings_are_clear_errors(tmp_path: Path) -> None:
         shardwise.initialize(model=torch.nn.Linear(64, 64), config=cfg)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch (SwapDir's own exit test is fast)
 def test_swap_files_removed_at_interpreter_exit(tmp_path: Path) -> None:
-    """A script that never calls destroy() leaves no swap files behind."""
+    """A training script that never calls destroy() leaves no swap files behind."""
     script = textwrap.dedent(f"""
         import torch, shardwise
         from pathlib import Path
