@@ -185,9 +185,12 @@ def has_nvme_optimizer(nvme_path: str, log_dir: Path) -> bool:
     import subprocess
     log = log_dir / "probe.log"
     with log.open("w") as out:
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe",
-                        "--nvme-path", nvme_path], stdout=out, stderr=subprocess.STDOUT,
-                       env=_child_env(cpu_only=True), timeout=180, cwd=str(BENCH_DIR.parent))
+        try:
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe",
+                            "--nvme-path", nvme_path], stdout=out, stderr=subprocess.STDOUT,
+                           env=_child_env(cpu_only=True), timeout=180, cwd=str(BENCH_DIR.parent))
+        except subprocess.TimeoutExpired:
+            return False
     found = _result_of(log)
     return bool(found and found.get("nvme_optimizer"))
 
