@@ -96,7 +96,8 @@ class Init:
             # built in host memory here and initialize() moves them to the disk as it adopts them
             log_dist("zero.Init(remote_device=\"nvme\"): partitions are built in host memory; "
                      "initialize() moves them to the offload_param swap files", ranks=[0])
-            remote_device = "cpu"
+            # not pinned: page-locked memory stays cached by torch after the move to the disk
+            remote_device, pin_memory = "cpu", False
         if remote_device not in ("none", "cpu"):
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}): expected None, "
                               "\"none\" or \"cpu\"")
