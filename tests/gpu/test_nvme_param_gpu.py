@@ -7,7 +7,6 @@ bf16, with a buffer pool smaller than one layer's parameters (buffers recycled m
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict
 
 import pytest
 import torch
@@ -20,9 +19,9 @@ pytestmark = [pytest.mark.gpu,
 STEPS, MICRO, GA = 4, 2, 2
 
 
-def _config(offload_param: dict, prefetch: int) -> dict:
+def _config(offload_param: dict, prefetch: int, clip: float) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA,
-            "steps_per_print": 0, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+            "steps_per_print": 0, "bf16": {"enabled": True}, "gradient_clipping": clip,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 40,
                                   "stage3_prefetch_bucket_size": prefetch,
@@ -30,10 +29,11 @@ def _config(offload_param: dict, prefetch: int) -> dict:
                                   "offload_param": offload_param}}
 
 
-def _train(kind: str, offload_param: dict, prefetch: int) -> Dict[str, torch.Tensor]:
+def _train(kind: str, offload_param: dict, prefetch: int, clip: float):
     import shardwise
     from shardwise.zero import GatheredParameters
-    engine, *_ = shardwise.initialize(model=build(kind), config=_config(offload_param, prefetch))
+    engine, *_ = shardwise.initialize(model=build(kind),
+                                      config=_config(offload_param, prefetch, clip))
     for ids in batches(STEPS, MICRO * GA):
         for k in range(GA):
             mine = ids[k * MICRO:(k + 1) * MICRO].cuda()
@@ -48,14 +48,18 @@ def _train(kind: str, offload_param: dict, prefetch: int) -> Dict[str, torch.Ten
     return out, stats
 
 
-@pytest.mark.parametrize("prefetch", [3000, 50_000_000], ids=["small-bucket", "default-bucket"])
+# no clipping: the eager CPU step writes shards back from its worker thread during backward;
+# clipping: every shard is written after the step
+@pytest.mark.parametrize("prefetch, clip", [(3000, 0.0), (50_000_000, 1.0)],
+                         ids=["small-bucket-eager", "default-bucket-clip"])
 @pytest.mark.parametrize("kind", ["llama-gqa", "opt"])
-def test_cuda_nvme_params_equal_cpu_offload(kind: str, prefetch: int, tmp_path: Path) -> None:
+def test_cuda_nvme_params_equal_cpu_offload(kind: str, prefetch: int, clip: float,
+                                            tmp_path: Path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
-    want, _ = _train(kind, {"device": "cpu", "pin_memory": True}, prefetch)
+    want, _ = _train(kind, {"device": "cpu", "pin_memory": True}, prefetch, clip)
     nvme = {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "max_in_cpu": 0,
             "min_nvme_bytes": 0, "buffer_count": 3}
-    got, stats = _train(kind, nvme, prefetch)
+    got, stats = _train(kind, nvme, prefetch, clip)
     bad = [k for k in want if not torch.equal(got[k], want[k])]
     assert not bad, [(k, (got[k] - want[k]).abs().max().item()) for k in bad]
     assert stats["read_ahead_used"] > 0 and stats["writes"] > 0, stats
