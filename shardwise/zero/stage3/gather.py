@@ -60,6 +60,10 @@ class GatherContext:
         for the copies' event only when a parameter is used (``wait``) or dropped. One batch
         shares one stream wait and one event: the host cost of a fetch is then its copy call.
         """
+        recs = list(recs)
+        for rec in recs:  # NVMe: the batch's reads in flight together, then staged in order
+            if rec.status == RELEASED and not rec.storage.resident:
+                rec.storage.prefetch()
         side: List[PartitionedParam] = []
         for rec in recs:
             if rec.status != RELEASED:

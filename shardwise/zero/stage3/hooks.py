@@ -306,11 +306,8 @@ class ParamCoordinator:
             if full:
                 resume = i
                 break
-        nvme = self.partitioner.swapper is not None
-        if nvme:  # the batch's swap-file reads all in flight before it is staged one by one
-            self._read_ahead(trace, positions)
         self.gathers.start(batch.values())
-        if nvme:  # the copies freed read buffers: read on past the gathered modules
+        if self.partitioner.swapper is not None:  # NVMe: read on past the gathered modules
             self._read_ahead(trace, range(resume, positions.stop, positions.step))
         return resume
 
