@@ -36,7 +36,8 @@ import torch
 from ...errors import ConfigError, ZeroError
 from ...io.aligned import alloc_aligned
 from ...io.aio_handle import IORequest
-from ...io.swap_files import SwapFile, SwapFiles, padded
+from ...io.swap_files import SwapFile, SwapFiles
+from ...utils.logging import log_dist
 
 FREE, READ, STAGED, DRAINING, WRITING = "free", "read", "staged", "draining", "writing"
 
@@ -164,6 +165,10 @@ class ParamSwapper:
                               "5 and 1e8).")
         files = SwapFiles(off.nvme_path, rank, key="zero_optimization.offload_param.nvme_path",
                           aio_kwargs=config.aio.handle_kwargs())
+        if config.aio.use_gds:
+            log_dist("aio.use_gds: offload_param reads its swap files into pinned host buffers "
+                     "(the gather copies them to the device); GPUDirect Storage is not used "
+                     "for parameters", ranks=[0])
         # DeepSpeed: max_in_cpu sizes the host copy of the trainable partitions (with an
         # optimizer); a parameters-only engine sends every NVMe-sized partition to the disk
         return cls(files, buffer_count=off.buffer_count, buffer_elems=off.buffer_size,
