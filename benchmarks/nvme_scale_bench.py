@@ -138,12 +138,15 @@ def run_trial(mode: str, cfg: BenchConfig, nvme_path: str, opt_nvme: bool) -> Di
             if i >= cfg.warmup:
                 times.append(time.perf_counter() - t0)
             losses.append(float(loss.detach().float().item()))
+        swapper = getattr(getattr(engine.strategy, "params", None), "swapper", None)
+        swap_gib = swapper.nvme_bytes / GIB if swapper is not None else 0.0
         engine.destroy()
     if not all(v == v and abs(v) < 1e4 for v in losses):
         raise RuntimeError(f"losses are not finite: {losses}")
     step_s = sum(times) / len(times)
     return {"n_params": count, "build_s": build_s, "step_s": step_s, "losses": losses,
-            "tok_s": cfg.micro_batch * cfg.seq / step_s, "rss_peak_gib": rss.peak_bytes / GIB}
+            "tok_s": cfg.micro_batch * cfg.seq / step_s, "rss_peak_gib": rss.peak_bytes / GIB,
+            "param_swap_gib": swap_gib}
 
 
 def child_main(args: argparse.Namespace) -> int:
@@ -268,6 +271,7 @@ def run_mode(mode: str, args: argparse.Namespace, cap: MemoryCap, opt_nvme: bool
 
 COLUMNS = [("mode", "mode", ""), ("layers", "layers", "d"), ("params_b", "params B", ".2f"),
            ("peak_gib", "peak host GiB", ".1f"), ("rss_peak_gib", "peak RSS GiB", ".1f"),
+           ("param_swap_gib", "params on disk GiB", ".2f"),
            ("tok_s", "tokens/s", ".0f"), ("step_s", "step s", ".2f"), ("wall_s", "trial s", ".0f")]
 
 
