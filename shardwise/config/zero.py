@@ -78,18 +78,29 @@ class OffloadParamConfig(ConfigModel):
     Valid with stage 3 only."""
 
     device: OffloadDevice = "none"
-    """Where partitioned parameters live: "none" (accelerator) or "cpu"; "nvme" loads but
-    ``initialize()`` refuses it (NVMe offload is not implemented)."""
+    """Where partitioned parameters live: "none" (accelerator), "cpu" (host memory) or
+    "nvme" (per-rank swap files under ``nvme_path``, read ahead of use through
+    ``buffer_count`` pinned buffers)."""
     nvme_path: Optional[str] = None
-    """NVMe swap directory; required with device "nvme" (which initialize refuses)."""
+    """Folder for the parameter swap files (device "nvme"); each run and rank gets its own
+    sub-folder, removed by ``engine.destroy()`` and at exit."""
     pin_memory: bool = False
-    """Use page-locked CPU buffers for the parameter partitions."""
+    """Use page-locked CPU buffers for the parameter partitions kept in host memory (the
+    NVMe read buffers are always pinned)."""
     buffer_count: int = Field(5, ge=0)
-    """NVMe key; no effect (NVMe offload is not implemented)."""
+    """Device "nvme": read/write buffers of the parameter swap files (at least 1; the
+    partitions read ahead of the module that needs them use all but one)."""
     buffer_size: int = Field(100_000_000, ge=0)
-    """NVMe key; no effect (NVMe offload is not implemented)."""
+    """Device "nvme": elements per buffer; a partition larger than this is an error at
+    initialize (DeepSpeed's rule). Buffers are allocated at the size of the largest NVMe
+    partition when that is smaller."""
     max_in_cpu: int = Field(1_000_000_000, ge=0)
-    """NVMe key; no effect (NVMe offload is not implemented)."""
+    """Device "nvme" with an optimizer: elements of NVMe-sized partitions kept in host memory
+    instead (the first ones, in parameter order), as DeepSpeed does; 0 sends them all to NVMe.
+    A parameters-only engine (no optimizer) sends them all to NVMe."""
+    min_nvme_bytes: int = Field(1 << 20, ge=0)
+    """Ours, device "nvme": partitions smaller than this many bytes stay in host memory
+    (DeepSpeed's fixed 1 MiB; lower it to send small models' partitions to the disk)."""
 
     @field_validator("device", mode="before")
     @classmethod

@@ -104,8 +104,7 @@ class LayerStreamer:
         if decoder is not None:
             for i, block in enumerate(decoder.blocks):
                 self.units[i].append(block)
-        self._swap = None
-        self._aio = None
+        self._swap = None  # shardwise.io.swap_files.SwapFiles, made by the first NVMe layer
         per_unit = self._split(self._group_storages(model, decoder))
         self.images = [self._layout(i, items) for i, items in enumerate(per_unit)]
         self.window = self._pick_window()
@@ -214,19 +213,13 @@ class LayerStreamer:
         image.bind(self.slots[0], self._replaced)
 
     def _write_swap(self, index: int, buf: torch.Tensor) -> NvmeSource:
-        from shardwise.io.aio_handle import AsyncIOHandle
-        from shardwise.io.swap_dir import SwapDir
+        from shardwise.io.swap_files import SwapFiles
         if self._swap is None:
-            self._swap = SwapDir(self.settings.nvme_path, self.settings.rank,
-                                 key="zero.offload_param.nvme_path")
-            self._aio = AsyncIOHandle(**self.settings.aio_kwargs)
-        padded = buf.numel() + (-buf.numel() % 4096)
-        whole = host_buffer(padded, pin=False)
-        whole[:buf.numel()].copy_(buf)
-        whole[buf.numel():].zero_()
-        path = str(self._swap.file(f"layer{index:05d}.swp"))
-        self._aio.sync_pwrite(whole, path, 0)
-        return NvmeSource(path, padded)
+            self._swap = SwapFiles(self.settings.nvme_path, self.settings.rank,
+                                   key="zero.offload_param.nvme_path",
+                                   aio_kwargs=self.settings.aio_kwargs)
+        target = self._swap.write_bytes(f"layer{index:05d}.swp", buf)
+        return NvmeSource(target.path, target.nbytes)
 
     def _pick_window(self) -> int:
         s, n = self.settings, len(self.images)
@@ -302,7 +295,7 @@ class LayerStreamer:
             ev.synchronize()  # the previous device copy out of this buffer has finished
         src = self.images[j].source
         buf = self.nvme_staging[buf_index][:src.nbytes]
-        self.pending = (j, buf_index, self._aio.read_request(buf, src.path, 0))
+        self.pending = (j, buf_index, self._swap.reader.read_request(buf, src.path, 0))
 
     def _host_bytes(self, j: int) -> Tuple[torch.Tensor, Optional[int]]:
         src = self.images[j].source
@@ -423,7 +416,5 @@ class LayerStreamer:
         if self.pending is not None:
             self.pending[2].wait()
             self.pending = None
-        if self._aio is not None:
-            self._aio.close()
         if self._swap is not None:
             self._swap.close()

@@ -24,11 +24,10 @@ import torch
 from torch import nn
 
 from shardwise.io.aligned import alloc_aligned
+from shardwise.io.swap_files import MIN_NVME_BYTES  # noqa: F401  (re-exported)
 
 from .quant_stream import QuantSpec, dequantize_into, quantize_flat
 
-#: DeepSpeed's rule for offload_param to NVMe: smaller partitions stay in (pinned) host memory.
-MIN_NVME_BYTES = 1 << 20
 _ALIGN = 64
 
 

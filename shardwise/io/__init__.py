@@ -5,4 +5,6 @@
 - ``stream_writer``: writes tensors back to back with copy, crc and write overlapped, and
   Linux early writeback.
 - ``read_pool``: chunk-parallel reads through per-thread file handles.
+- ``swap_files``: one rank's named swap files for NVMe parameter offload (stage 3's
+  ``FileShard`` and ZeRO-Inference's layer streaming).
 """

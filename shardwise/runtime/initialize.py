@@ -216,7 +216,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
         # no optimizer (inference, ZeRO-Inference style): stage 3 still partitions the model
         # (and offloads it under offload_param) and gathers each module around its use
         from ..zero.stage3 import Stage3Params
-        strategy = Stage3Params(config=cfg, module=model, group=dp_group, device=device)
+        strategy = Stage3Params(config=cfg, module=model, group=dp_group, device=device,
+                                training=False)
     else:
         strategy = None
     scaler = None

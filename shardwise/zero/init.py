@@ -37,6 +37,7 @@ from torch.nn.modules import module as _module_mod
 from .. import comm
 from ..comm.topology import global_rank, group_world_rank
 from ..errors import ConfigError, ZeroError
+from ..utils.logging import log_dist
 from .stage3 import partition as P
 
 
@@ -92,8 +93,12 @@ class Init:
             pin_memory = pin_memory or bool(offload.get("pin_memory", False))
         remote_device = (remote_device or "none").lower()
         if remote_device == "nvme":
-            raise ConfigError("zero.Init(remote_device=\"nvme\") is not supported (no async-IO "
-                              "extension is compiled); use remote_device=\"cpu\"")
+            # the swap files belong to the engine (its nvme_path, its lifetime): partitions are
+            # built in host memory here and initialize() moves them to the disk as it adopts them
+            log_dist("zero.Init(remote_device=\"nvme\"): partitions are built in host memory; "
+                     "initialize() moves them to the offload_param swap files", ranks=[0])
+            # not pinned: page-locked memory stays cached by torch after the move to the disk
+            remote_device, pin_memory = "cpu", False
         if remote_device not in ("none", "cpu"):
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}): expected None, "
                               "\"none\" or \"cpu\"")

@@ -19,6 +19,8 @@ def hf_config(kind: str):
                   max_position_embeddings=64)
     if kind == "llama":
         return transformers.LlamaConfig(intermediate_size=64, num_key_value_heads=4, **common)
+    if kind == "llama-gqa":  # Llama itself with grouped-query attention
+        return transformers.LlamaConfig(intermediate_size=64, num_key_value_heads=2, **common)
     if kind == "gqa":
         return transformers.MistralConfig(intermediate_size=64, num_key_value_heads=2, **common)
     if kind == "opt":

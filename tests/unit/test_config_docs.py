@@ -92,18 +92,6 @@ def test_every_ignored_section_and_inert_key_is_documented():
             assert f"| `{dotted}` |" in text, dotted
 
 
-@pytest.mark.parametrize("stage, section", [(3, "offload_param")])
-def test_nvme_offload_loads_but_initialize_refuses_it(tmp_path, stage, section):
-    # docs/config.md: offload_param "device": "nvme" loads (with nvme_path) and initialize()
-    # refuses it (offload_optimizer on NVMe works: tests/unit/test_nvme_optimizer.py)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": stage, section: {"device": "nvme",
-                                                           "nvme_path": str(tmp_path)}}}
-    assert load_config(cfg).zero_optimization  # loads
-    with pytest.raises(ConfigError, match=r"nvme.*not (supported|implemented)"):
-        shardwise.initialize(model=make_model(), config=cfg)
-
-
 @pytest.mark.parametrize("raw, key", [
     ({"prescale_gradients": True}, "prescale_gradients"),
     ({"dump_state": True}, "dump_state"),

@@ -155,13 +155,6 @@ def test_modification_during_a_pending_delayed_update_wins(offload_param: bool) 
     assert not torch.equal(_full(engine.module)["fc1.weight"], others), "training stopped"
 
 
-def test_init_rejects_nvme() -> None:
-    from shardwise.errors import ConfigError
-    from shardwise.zero import Init
-    with pytest.raises(ConfigError, match="remote_device"):
-        Init(remote_device="nvme")
-
-
 # --- world of two, spawned ---------------------------------------------------------------
 def _honest_rss_start():
     """Peak RSS now, after making RSS track live memory; None where that is not possible.

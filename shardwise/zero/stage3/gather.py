@@ -60,12 +60,17 @@ class GatherContext:
         for the copies' event only when a parameter is used (``wait``) or dropped. One batch
         shares one stream wait and one event: the host cost of a fetch is then its copy call.
         """
+        recs = list(recs)
+        for rec in recs:  # NVMe: the batch's reads in flight together, then staged in order
+            if rec.status == RELEASED and not rec.storage.resident:
+                rec.storage.prefetch()
         side: List[PartitionedParam] = []
         for rec in recs:
             if rec.status != RELEASED:
                 continue  # already gathered, or earlier in this batch (a tied weight)
             if rec.full is None:
-                rec.full = torch.empty(rec.padded, dtype=rec.shard.dtype, device=rec.compute_device)
+                rec.full = torch.empty(rec.padded, dtype=rec.storage.dtype,
+                                       device=rec.compute_device)
                 rec.gathered = rec.full[:rec.numel].view(rec.shape)
             storage = rec.full.untyped_storage()
             nbytes = rec.padded * rec.full.element_size()
@@ -73,22 +78,34 @@ class GatherContext:
                 # allocated on the compute stream: its earlier uses of this memory come first there
                 storage.resize_(nbytes)
             rec.work = None
-            shard = rec.shard
-            if shard.device != rec.compute_device and rec.compute_device.type == "cuda":
+            if rec.storage.device != rec.compute_device and rec.compute_device.type == "cuda":
                 side.append(rec)
             elif rec.world == 1:
                 with copy_span(self.copy_timer, H2D):  # offload_param without streams: the fetch
-                    rec.full.copy_(shard)
+                    rec.full.copy_(rec.storage.staged())
+                rec.storage.unstage()
             else:
-                if shard.device != rec.compute_device:
-                    rec.staging = shard.to(rec.compute_device)
-                    shard = rec.staging
-                rec.work = all_gather_flat(rec.full, shard, group=rec.group, async_op=True)
+                rec.work = all_gather_flat(rec.full, self._stage_for_gather(rec), group=rec.group,
+                                           async_op=True)
             rec.status = INFLIGHT
             self.live[id(rec)] = rec
             self.live_numel += rec.padded
         if side:
             self._fetch_to_device(side)
+
+    @staticmethod
+    def _stage_for_gather(rec: PartitionedParam) -> torch.Tensor:
+        """This rank's shard on the compute device for its all-gather (kept in
+        ``rec.staging`` while the gather may still read it)."""
+        shard = rec.storage.staged()
+        if shard.device != rec.compute_device:
+            rec.staging = shard.to(rec.compute_device)
+        elif not rec.storage.resident:  # a lent read buffer: the async gather gets a copy
+            rec.staging = shard.clone()
+        else:
+            return shard
+        rec.storage.unstage()
+        return rec.staging
 
     def _fetch_to_device(self, recs: List[PartitionedParam]) -> None:
         """offload_param on CUDA: the copies wait only for what the compute stream queued so
@@ -102,9 +119,13 @@ class GatherContext:
             for rec in recs:
                 dst = rec.full
                 if rec.world > 1:
-                    rec.staging = torch.empty(rec.chunk, dtype=rec.shard.dtype, device=device)
+                    rec.staging = torch.empty(rec.chunk, dtype=rec.storage.dtype, device=device)
                     dst = rec.staging
-                dst.copy_(rec.shard, non_blocking=True)
+                dst.copy_(rec.storage.staged(), non_blocking=True)
+                if not rec.storage.resident:  # NVMe: the read buffer is free after this copy
+                    copied = acc.Event()
+                    copied.record(fetch)
+                    rec.storage.unstage(copied)
             fetched = acc.Event()
             fetched.record(fetch)
         for rec in recs:
@@ -164,6 +185,6 @@ class GatherContext:
 
     def write_shard(self, rec: PartitionedParam, full: torch.Tensor) -> None:
         """Store this rank's chunk of ``full`` into the shard (after any copy reading it)."""
-        if rec.shard.device.type == "cpu":
+        if rec.storage.device.type == "cpu":
             self.sync_fetches()
         rec.write_full_(full)

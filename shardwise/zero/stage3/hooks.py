@@ -113,6 +113,8 @@ class Trace:
 
 
 TRAIN, EVAL = "train", "eval"
+READ_AHEAD = 64
+"""Trace positions past the gathered ones that NVMe read-ahead looks at."""
 
 
 class ParamCoordinator:
@@ -305,7 +307,18 @@ class ParamCoordinator:
                 resume = i
                 break
         self.gathers.start(batch.values())
+        if self.partitioner.swapper is not None:  # NVMe: read on past the gathered modules
+            self._read_ahead(trace, range(resume, positions.stop, positions.step))
         return resume
+
+    def _read_ahead(self, trace: Trace, positions: range) -> None:
+        """offload_param on NVMe: start reading the swap files of the modules along
+        ``positions``, in trace order, while read buffers are free (``READ_AHEAD`` modules at
+        most; the reads are local, so ranks need not agree on them)."""
+        for i in positions[:READ_AHEAD]:
+            for rec in trace.params[i]:
+                if rec.status == RELEASED and not rec.storage.prefetch():
+                    return
 
     def sweep(self, keep=()) -> None:
         """Release every gathered record of this engine that nothing is using (but ``keep``)."""

@@ -25,17 +25,27 @@ from .partition import GATHERED, Partitioner, PartitionedParam, group_info, reco
 
 
 def refuse_nvme(zero) -> None:
-    for key, dev in (("offload_param", zero.offload_param_device),):
-        if dev == "nvme":
-            raise ConfigError(f"zero_optimization.{key}.device = \"nvme\" is not supported by "
-                              "shardwise (no async-IO extension is compiled); use \"cpu\"")
+    oo = zero.offload_optimizer
+    if zero.offload_param_device == "nvme" and oo is not None and oo.delayed_update:
+        raise ConfigError("zero_optimization.offload_optimizer.delayed_update with offload_param "
+                          "device \"nvme\" is not supported (the delayed update keeps a second "
+                          "set of parameter shards in host memory, which NVMe offload exists to "
+                          "avoid); drop delayed_update or use offload_param device \"cpu\"")
+
+
+def _swapper(config, rank: int, training: bool):
+    """offload_param on NVMe: the swap files and read buffers of this engine (None otherwise)."""
+    if config.zero_optimization.offload_param_device != "nvme":
+        return None
+    from .file_shard import ParamSwapper
+    return ParamSwapper.from_config(config, rank, training)
 
 
 class Stage3Params:
     """Partitions ``module``'s parameters for one engine and gathers them around each use."""
 
     def __init__(self, *, config, module: torch.nn.Module, group: Optional[dist.ProcessGroup],
-                 device: torch.device) -> None:
+                 device: torch.device, training: bool = True) -> None:
         zero = config.zero_optimization
         refuse_nvme(zero)
         self.module = module
@@ -43,16 +53,23 @@ class Stage3Params:
         self.world, self.rank = group_info(group)
         self.compute_dtype = (config.compute_dtype if not config.torch_autocast.enabled
                               else torch.float32)
-        self.offload = zero.offload_param_device == "cpu"
+        self.offload = zero.offload_param_device in ("cpu", "nvme")
         self.gather_on_save = bool(zero.gather_16bit_weights_on_model_save)
+        self.swapper = _swapper(config, self.rank, training)
+        """``offload_param`` on NVMe (``file_shard.ParamSwapper``); None otherwise."""
         self.partitioner = Partitioner(
             group=group, shard_device=torch.device("cpu") if self.offload else self.device,
             compute_device=self.device,
-            pin=bool(self.offload and zero.offload_param.pin_memory))
+            pin=bool(self.offload and zero.offload_param.pin_memory), swapper=self.swapper)
         self.gathers = self.partitioner.gathers
         self.names: Dict[int, str] = {}
-        self.persistent = self._place(int(zero.param_persistence_threshold),
-                                      int(zero.model_persistence_threshold))
+        try:
+            self.persistent = self._place(int(zero.param_persistence_threshold),
+                                          int(zero.model_persistence_threshold))
+        except BaseException:
+            if self.swapper is not None:
+                self.swapper.close()
+            raise
         # placeholders, whole parameters and buffers to the compute device and dtype
         module.to(device=self.device, dtype=self.compute_dtype)
         self.coordinator = _coordinator(module, self.partitioner, zero)
@@ -63,6 +80,12 @@ class Stage3Params:
         log_dist(f"ZeRO stage 3: {n_part} partitioned parameters over {self.world} ranks, "
                  f"{sum(self.persistent.values())} persistent; params on "
                  f"{self.partitioner.shard_device}", ranks=[0])
+        if self.swapper is not None:
+            sw = self.swapper
+            log_dist(f"ZeRO stage 3: {sw.on_nvme} parameter partitions "
+                     f"({sw.nvme_bytes / 2**30:.2f} GiB per rank) in swap files under {sw.path}; "
+                     f"{n_part - sw.on_nvme} in host memory ({sw.in_cpu} by max_in_cpu, the "
+                     f"others under min_nvme_bytes)", ranks=[0])
 
     def _place(self, threshold: int, budget: int) -> Dict[int, bool]:
         """Decide which parameters stay whole; partition (or adopt) the others."""
@@ -101,6 +124,8 @@ class Stage3Params:
         self.gathers.sweep()
         if self.offload:
             self.gathers.sync_fetches()
+        if self.swapper is not None:
+            self.swapper.commit_held()  # in-place edits of shard copies (checkpoint loads)
 
     def flush(self) -> None:
         """Nothing deferred without an optimizer."""
@@ -118,6 +143,8 @@ class Stage3Params:
             h.remove()
         self._sd_hooks = []
         self.coordinator.remove()
+        if self.swapper is not None:
+            self.swapper.close()  # the swap files go with the engine
 
     # --- state_dict ---------------------------------------------------------------------
     def _install_state_dict_hooks(self, module: torch.nn.Module) -> list:

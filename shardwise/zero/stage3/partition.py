@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ import torch.distributed as dist
 from ...comm.topology import global_rank, group_world_rank  # noqa: F401 (re-exported)
 from ...errors import ZeroError
 from .storage import ShardStorage, TensorShard
+
+if TYPE_CHECKING:
+    from .file_shard import ParamSwapper
 
 RELEASED, INFLIGHT, GATHERED = "released", "inflight", "gathered"
 
@@ -162,8 +165,11 @@ class Partitioner:
     """
 
     def __init__(self, *, group: Optional[dist.ProcessGroup], shard_device: torch.device,
-                 compute_device: torch.device, pin: bool = False) -> None:
+                 compute_device: torch.device, pin: bool = False,
+                 swapper: Optional["ParamSwapper"] = None) -> None:
         from .gather import GatherContext
+        self.swapper = swapper
+        """``offload_param`` on NVMe: places the shards it takes in swap files."""
         self.group = group
         self.world, self.rank = group_info(group)
         self.shard_device = torch.device(shard_device)
@@ -209,13 +215,12 @@ class Partitioner:
         a parameter another partitioner holds is adopted instead."""
         rec = record_of(p)
         if rec is not None:
-            return self.adopt(p, dtype or rec.shard.dtype)
+            return self.adopt(p, dtype or rec.storage.dtype)
         dtype = dtype or p.dtype
         numel = p.numel()
         chunk = -(-numel // self.world) if numel else 0
         lo, hi = min(self.rank * chunk, numel), min((self.rank + 1) * chunk, numel)
-        storage = TensorShard.zeros(chunk, dtype, self.shard_device, self.pin)
-        storage.write_(p.detach().reshape(-1)[lo:hi])
+        storage = self._store(p.detach().reshape(-1)[lo:hi], chunk, dtype, p.shape)
         rec = PartitionedParam(param_ref=weakref.ref(p), shape=torch.Size(p.shape), numel=numel, world=self.world,
                                rank=self.rank, group=self.group, storage=storage,
                                compute_device=self.compute_device)
@@ -224,6 +229,18 @@ class Partitioner:
         self._records[id(p)] = rec
         self._claim(p)
         return rec
+
+    def _store(self, values: torch.Tensor, chunk: int, dtype: torch.dtype,
+               shape: torch.Size) -> ShardStorage:
+        """A new shard of ``chunk`` elements holding ``values`` (zero padded): in a swap file
+        when the swapper takes it, else a tensor on the shard device."""
+        if self.swapper is not None:
+            shard = self.swapper.place(values, chunk, dtype, shape)
+            if shard is not None:
+                return shard
+        storage = TensorShard.zeros(chunk, dtype, self.shard_device, self.pin)
+        storage.write_(values)
+        return storage
 
     def adopt(self, p: torch.nn.Parameter, dtype: torch.dtype) -> PartitionedParam:
         """Take over a parameter partitioned elsewhere (``zero.Init``), moved to this
@@ -241,8 +258,9 @@ class Partitioner:
                             "(or data_parallel_group=None for the default group)")
         old.gathers.release(rec)
         old._records.pop(id(p), None)
-        if rec.shard.device != self.shard_device or rec.shard.dtype != dtype:
-            rec.storage = TensorShard.copy_of(rec.shard, self.shard_device, dtype, self.pin)
+        if (rec.storage.device != self.shard_device or rec.storage.dtype != dtype
+                or self.swapper is not None):
+            rec.storage = self._store(rec.shard, rec.chunk, dtype, rec.shape)
         rec.group = self.group
         rec.compute_device = self.compute_device
         rec.empty = torch.empty(0, dtype=dtype, device=self.compute_device)

@@ -1,15 +1,18 @@
 """Where a stage-3 shard lives: a small storage interface instead of a bare tensor.
 
 A partitioned parameter keeps this rank's chunk of its elements in a :class:`ShardStorage`.
-Today's backends are resident tensors (:class:`TensorShard`: on the accelerator, or in
-(pinned) host memory under ``offload_param``); a file backend (NVMe, through the IO layer)
-implements the same calls later. Readers ask :meth:`ShardStorage.tensor` for a tensor with
-the chunk's elements; writers go through :meth:`ShardStorage.write_`; the delayed update
-swaps two storages of one parameter with :meth:`ShardStorage.swap`.
+The backends are resident tensors (:class:`TensorShard`: on the accelerator, or in (pinned)
+host memory under ``offload_param``) and swap files (``file_shard.FileShard``, under
+``offload_param: {device: "nvme"}``). Readers ask :meth:`ShardStorage.tensor` for a tensor
+with the chunk's elements (or :meth:`ShardStorage.copy_to` for a copy); writers go through
+:meth:`ShardStorage.write_`; the delayed update swaps two storages of one parameter with
+:meth:`ShardStorage.swap`. The gather copies a shard to the device between
+:meth:`ShardStorage.staged` and :meth:`ShardStorage.unstage` (a file backend lends one of its
+read buffers for that time), and the coordinator may :meth:`ShardStorage.prefetch` ahead.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -34,9 +37,33 @@ class ShardStorage(Protocol):
         """Where the resident copy lives (the host for offloaded shards)."""
         ...
 
+    @property
+    def resident(self) -> bool:
+        """True when :meth:`tensor` is the shard's own memory (not a copy)."""
+        ...
+
     def tensor(self) -> torch.Tensor:
         """A tensor holding the chunk; resident backends return their own memory (writes
-        into it are writes into the shard)."""
+        into it are writes into the shard); a file backend returns a host copy whose in-place
+        edits reach the file when the owner commits (``Stage3Params.before_shard_write``)."""
+        ...
+
+    def copy_to(self, dst: torch.Tensor) -> None:
+        """Copy the chunk's first ``dst.numel()`` elements into ``dst``."""
+        ...
+
+    def prefetch(self) -> bool:
+        """Start bringing the chunk into memory ahead of use; False when no buffer is free
+        (resident backends: nothing to do, True)."""
+        ...
+
+    def staged(self) -> torch.Tensor:
+        """The chunk in memory for a copy to the device, valid until :meth:`unstage`."""
+        ...
+
+    def unstage(self, event: Any = None) -> None:
+        """The copy out of :meth:`staged` is queued; its memory may be reused once ``event``
+        (an accelerator event; None: at once) has completed."""
         ...
 
     def write_(self, src: torch.Tensor, offset: int = 0, non_blocking: bool = False) -> None:
@@ -88,8 +115,22 @@ class TensorShard:
     def pinned(self) -> bool:
         return self._t.device.type == "cpu" and self._t.is_pinned()
 
+    resident = True
+
     def tensor(self) -> torch.Tensor:
         return self._t
+
+    def copy_to(self, dst: torch.Tensor) -> None:
+        dst.copy_(self._t[:dst.numel()])
+
+    def prefetch(self) -> bool:
+        return True
+
+    def staged(self) -> torch.Tensor:
+        return self._t
+
+    def unstage(self, event: Any = None) -> None:
+        pass
 
     def write_(self, src: torch.Tensor, offset: int = 0, non_blocking: bool = False) -> None:
         with torch.no_grad():

@@ -114,7 +114,7 @@ class Stage3Strategy(ZeroStrategy):
         self.predivide = float(getattr(config, "gradient_predivide_factor", 1.0) or 1.0)
         self.gather_on_save = bool(zero.gather_16bit_weights_on_model_save)
         self.reduce_bucket = max(1, int(zero.reduce_bucket_size))
-        self.offload_param = zero.offload_param_device == "cpu"
+        self.offload_param = zero.offload_param_device in ("cpu", "nvme")  # shards on the host
         self.offload_opt = zero.offload_optimizer_device in ("cpu", "nvme")
         self.nvme_opt = zero.offload_optimizer_device == "nvme"
         self.pin_param = bool(self.offload_param and zero.offload_param.pin_memory)

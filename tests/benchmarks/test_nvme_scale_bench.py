@@ -1,0 +1,59 @@
+"""benchmarks/nvme_scale_bench.py without a GPU: the ladder's sizes, the search, the ZeRO
+sections of both modes, and the host-memory cap (its cgroup detection and the watchdog
+killing a child that goes over)."""
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import nvme_scale_bench as bench  # noqa: E402
+from _memcap import MemoryCap, cgroup_v2_memory  # noqa: E402
+
+
+def test_parameter_count_matches_the_llama_7b_shape():
+    cfg = bench.trial_config(bench.parse_args([]), 32)
+    assert abs(bench.n_params(cfg) - 6_738_415_616) < 1e6  # Llama-2-7B
+
+
+def test_search_walks_from_the_prediction_then_bisects():
+    ladder = list(range(1, 21))
+    fits = 13  # layers: the largest that trains
+
+    def run(start):
+        tried = []
+        bench.search(ladder, start, time.perf_counter() + 1e6,
+                     lambda layers, left: tried.append(layers) or
+                     ({} if layers <= fits else {"error": "oom"}))
+        return tried
+    assert run(11) == [12, 13, 14]  # walks up from a low prediction
+    assert run(15)[-2:] == [14, 13] and run(15)[0] == 16  # walks down from a high one
+    assert run(0)[-1] in (13, 14) and len(run(0)) < 20
+
+
+def test_modes_put_parameters_and_optimizer_where_they_say(tmp_path):
+    cfg = bench.trial_config(bench.parse_args([]), 2)
+    cpu = bench.zero_section("cpu", cfg, str(tmp_path), True)
+    assert cpu["offload_param"]["device"] == cpu["offload_optimizer"]["device"] == "cpu"
+    nvme = bench.zero_section("nvme", cfg, str(tmp_path), True)
+    assert nvme["offload_param"]["device"] == nvme["offload_optimizer"]["device"] == "nvme"
+    assert nvme["offload_param"]["buffer_size"] >= cfg.vocab * cfg.hidden  # the embedding fits
+    params_only = bench.zero_section("nvme", cfg, str(tmp_path), False)
+    assert params_only["offload_optimizer"]["device"] == "cpu"
+
+
+def test_no_cgroup_v2_mount_is_reported(tmp_path):
+    assert "not a cgroup v2 mount" in cgroup_v2_memory(tmp_path)
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")
+    assert "memory controller" in cgroup_v2_memory(tmp_path)
+
+
+def test_watchdog_kills_a_child_over_the_cap(tmp_path):
+    cap = MemoryCap(150 * 2**20, prefer_cgroup=False)
+    assert cap.kind == "watchdog"
+    hog = ("import time; b = bytearray(400 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+           "time.sleep(30)")
+    ran = cap.run([sys.executable, "-c", hog], tmp_path / "hog.log", timeout_s=60)
+    assert ran.status == "oom" and ran.peak_bytes > 150 * 2**20 and ran.wall_s < 30
+    ran = cap.run([sys.executable, "-c", "print('small')"], tmp_path / "ok.log", timeout_s=60)
+    assert ran.status == "ok" and (tmp_path / "ok.log").read_text().strip() == "small"
