@@ -26,7 +26,8 @@ from .generation import resolve
 from .loading import load_into
 from .quant import quantize_linears
 from .tp import TPPlan, make_plan
-from .zero_inference import attach, host_device, layerwise_checkpoint, place_model
+from .zero_inference import (attach, host_device, layerwise_checkpoint, offload_kv_cache,
+                             place_model)
 
 
 def _device(plan: TPPlan) -> torch.device:
@@ -74,6 +75,7 @@ class InferenceEngine(nn.Module):
             self.rebuild_fast_path()
         self._note_cuda_graph()
         self.streamer = attach(model, self.decoder, config, self.device, self.dtype, layerwise)
+        offload_kv_cache(self.decoder, config)
         if self.streamer is not None and self.decoder is not None:
             mismatch = self._probe(self.decoder)  # on the device, layers streamed
             if mismatch:

@@ -176,7 +176,7 @@ class LayerImage:
         (quantizing on the GPU when one is present: a 7B layer takes seconds on a CPU)."""
         if self.quant is None:
             for i, region in enumerate(self.regions):
-                out[region.offset:region.offset + region.nbytes].copy_(storage_bytes(tensors[i]).cpu())
+                out[region.offset:region.offset + region.nbytes].copy_(storage_bytes(tensors[i]))
             return
         work = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         image = torch.zeros(self.image_bytes, dtype=torch.uint8, device=work)

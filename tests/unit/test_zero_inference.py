@@ -148,8 +148,6 @@ def test_bad_values_are_errors_naming_them(tmp_path):
     with pytest.raises(ConfigError, match="offload_param"):
         shardwise.init_inference(m, dtype="fp32",
                                  weight_quantization={"quantized_initialization": {"num_bits": 4}})
-    with pytest.raises(ConfigError, match="kv_offload"):
-        shardwise.init_inference(m, dtype="fp32", zero=zero(m), kv_offload=True)
     with pytest.raises(ConfigError, match="nvme_path"):
         shardwise.init_inference(m, zero={"stage": 3, "offload_param": {"device": "nvme"}})
 
