@@ -26,6 +26,7 @@ from .generation import resolve
 from .loading import load_into
 from .quant import quantize_linears
 from .tp import TPPlan, make_plan
+from .weight_store import LayerWeights
 from .zero_inference import (attach, host_device, layerwise_checkpoint, offload_kv_cache,
                              place_model)
 
@@ -52,7 +53,11 @@ def _compute_dtype(cfg: InferenceConfig, model: nn.Module, device: torch.device)
 class InferenceEngine(nn.Module):
     """A model ready for inference; see the module docstring."""
 
-    def __init__(self, model: nn.Module, config: InferenceConfig) -> None:
+    def __init__(self, model: nn.Module, config: InferenceConfig,
+                 layer_weights: Optional[LayerWeights] = None) -> None:
+        """``layer_weights``: with ZeRO-Inference, where a meta model's weights come from
+        layer by layer (default: the config's safetensors ``checkpoint``); e.g.
+        ``weight_store.RandomWeights()`` for benchmarks."""
         super().__init__()
         start = time.perf_counter()
         self._config = config
@@ -60,7 +65,12 @@ class InferenceEngine(nn.Module):
                               config.tensor_parallel.mpu)
         self.device = _device(self.plan)
         self.dtype = _compute_dtype(config, model, self.device)
-        layerwise = layerwise_checkpoint(model, config)  # ZeRO-Inference reads it per layer
+        if layer_weights is not None and not config.wants_param_offload:
+            raise ConfigError("layer_weights fills a meta model layer by layer while ZeRO-Inference "
+                              "streams it; it needs \"zero\": {\"stage\": 3, \"offload_param\": "
+                              "{\"device\": \"cpu\" or \"nvme\"}} in the config.")
+        layerwise = layer_weights if layer_weights is not None \
+            else layerwise_checkpoint(model, config)  # ZeRO-Inference reads it per layer
         if config.checkpoint is not None and layerwise is None:
             load_into(model, config.checkpoint, config.base_dir, host_device(config, self.device),
                       self.dtype)

@@ -39,8 +39,8 @@ from torch import nn
 from shardwise.errors import ConfigError
 
 from .quant_stream import QuantSpec
-from .weight_store import (MIN_NVME_BYTES, CheckpointTensors, HostSource, LayerImage, NvmeSource,
-                           Region, TensorRef, host_buffer, layout, storage_bytes, storage_key)
+from .weight_store import (MIN_NVME_BYTES, HostSource, LayerImage, LayerWeights, NvmeSource, Region,
+                           TensorRef, host_buffer, layout, storage_bytes, storage_key)
 
 _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
                 "transformer.layers", "model.transformer.h")
@@ -98,7 +98,7 @@ class LayerStreamer:
 
     def __init__(self, model: nn.Module, decoder: Optional[nn.Module], device: torch.device,
                  settings: StreamSettings, dtype: torch.dtype,
-                 checkpoint: Optional[CheckpointTensors] = None) -> None:
+                 checkpoint: Optional[LayerWeights] = None) -> None:
         self.device, self.settings, self.dtype = device, settings, dtype
         self.checkpoint = checkpoint  # weights of a meta model, read layer by layer
         self._names: Dict[int, str] = {}

@@ -30,7 +30,7 @@ from shardwise.utils.logging import log_dist, warn_once
 
 from .config import InferenceConfig
 from .streaming import LayerStreamer, StreamSettings
-from .weight_store import CheckpointTensors
+from .weight_store import CheckpointTensors, LayerWeights
 
 
 def host_device(cfg: InferenceConfig, device: torch.device) -> torch.device:
@@ -101,7 +101,7 @@ def place_model(model: nn.Module, cfg: InferenceConfig, device: torch.device,
 
 def attach(model: nn.Module, decoder: Optional[nn.Module], cfg: InferenceConfig,
            device: torch.device, dtype: torch.dtype,
-           checkpoint: Optional[CheckpointTensors] = None) -> Optional[LayerStreamer]:
+           checkpoint: Optional[LayerWeights] = None) -> Optional[LayerStreamer]:
     """Start streaming ``model``'s decoder layers (None without parameter offload); a meta
     model's weights come from ``checkpoint`` (``layerwise_checkpoint``), one layer at a time."""
     if not cfg.wants_param_offload:
