@@ -47,9 +47,10 @@ class OffloadedKVCache(nn.Module):
         numel = length * 2 * batch * kv_heads * head_dim
         size = torch.empty((), dtype=dtype).element_size()
         self.host: List[torch.Tensor] = []
-        for _ in range(n_layers):  # zeroed: a slot never holds NaN/inf garbage
+        for _ in range(n_layers):  # only written positions are ever read: no zeroing
             buf = host_buffer(numel * size, pin=pin and device.type == "cuda")
-            self.host.append(buf.view(dtype).view(self.shape).zero_())
+            self.host.append(buf.view(dtype).view(self.shape))
+        # zeroed: positions a step masks out hold finite values (0 * NaN would leak)
         self.slots = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(2)]
         self.views = [self._kv_views(s) for s in self.slots]
         cuda = device.type == "cuda"

@@ -265,6 +265,7 @@ class LayerStreamer:
         self.last_use = [0] * n
         self.ready: List[Any] = [None] * n
         self.done: List[Any] = [None] * n
+        self.expanded: List[Any] = [None] * n  # the slot's codes expanded (expand stream)
         self.slot_of: Dict[int, int] = {}
         self.bound: Dict[int, int] = {}
         cuda = self.device.type == "cuda"
@@ -347,13 +348,15 @@ class LayerStreamer:
             with torch.cuda.stream(self.copy_stream):
                 if self.done[slot] is not None:
                     self.copy_stream.wait_event(self.done[slot])
+                if self.expanded[slot] is not None:  # a prefetched layer never computed
+                    self.copy_stream.wait_event(self.expanded[slot])
                 self._copy(img, host[:n], slot)
                 ev = torch.cuda.Event()
                 ev.record(self.copy_stream)
             if stage is not None:
                 self.stage_free[stage] = ev
             if self.expand_stream is not None and img.world == 1:
-                ev = self._expand_async(img, slot, ev)
+                ev = self.expanded[slot] = self._expand_async(img, slot, ev)
             self.ready[slot] = ev
         else:
             self._copy(img, host[:n], slot)
