@@ -63,3 +63,12 @@ def test_kv_offload_without_fast_path_says_so(monkeypatch):
     assert eng.decoder is None and any("kv_offload" in s for s in said)
     out = eng.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1)
     assert torch.equal(out, ref)
+
+
+def test_auto_batch_size_counts_two_layers_of_cache_with_kv_offload():
+    from shardwise.inference.zero_inference import bytes_per_sequence
+    m = model("llama", layers=8)
+    full = bytes_per_sequence(m.config, 512, 64, torch.bfloat16)
+    off = bytes_per_sequence(m.config, 512, 64, torch.bfloat16, kv_offload=True)
+    cache_full = 2 * 8 * 2 * 16 * 640 * 2  # K+V, 8 layers, 2 KV heads of 16, 640 slots, bf16
+    assert full - off == cache_full - cache_full * 2 // 8
