@@ -111,6 +111,9 @@ class InferenceEngine(nn.Module):
             warn_once("enable_cuda_graph applies to the fast decode path "
                       "(replace_with_kernel_inject=True on a supported model); this engine runs "
                       "the plain module without graphs.")
+        elif self._config.wants_param_offload or self._config.kv_offload:
+            warn_once("enable_cuda_graph: not used with ZeRO-Inference offload_param / kv_offload "
+                      "(the decode step copies layers from Python hooks, so it runs eagerly).")
         elif self.plan.active:
             warn_once("enable_cuda_graph: not used with tensor parallelism (the decode step is "
                       "compiled without CUDA graphs, as DeepSpeed does not graph TP either).")
@@ -145,11 +148,12 @@ class InferenceEngine(nn.Module):
                           f"generate.")
                 return
         self.decoder = decoder
-        if self.device.type == "cuda":
+        eager = self._config.wants_param_offload or self._config.kv_offload  # Python per layer
+        if self.device.type == "cuda" and not eager:
             self.decoder.compile_step(self.cuda_graph and not self.plan.active)
         log_dist(f"init_inference: fast decode path for the {spec.family} layout "
                  f"({len(spec.layers)} layers, tp={self.plan.size}, dtype={self.dtype}, "
-                 f"cuda_graph={self.cuda_graph and not self.plan.active})")
+                 f"cuda_graph={self.cuda_graph and not self.plan.active and not eager})")
 
     @torch.no_grad()
     def _probe(self, decoder: FastDecoder) -> Optional[str]:
