@@ -165,8 +165,9 @@ class InferenceConfig(ConfigModel):
     """ZeRO-Inference's weight-only quantized streaming (DeepSpeed's ds_config key):
     ``{"quantized_initialization": {"num_bits": 4 or 8, "group_size": 64}}``."""
     kv_offload: bool = False
-    """DeepSpeed ZeRO-Inference's KV-cache offload (its examples' ``--kv-offload``): not
-    implemented; ``true`` is an error."""
+    """DeepSpeed ZeRO-Inference's KV-cache offload (its examples' ``--kv-offload``): the
+    fast path's KV cache lives in pinned host memory and each layer's K/V is streamed to the
+    device one layer ahead of its attention (pays when the cache does not fit on the device)."""
     aio: AioConfig = Field(default_factory=AioConfig)
     """Async file IO for ``zero.offload_param.device = "nvme"`` (DeepSpeed's ds_config section)."""
     triangular_masking: bool = True

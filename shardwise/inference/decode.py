@@ -44,10 +44,20 @@ class StaticCache(nn.Module):
         for i in range(n_layers):
             self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.batch, self.length = batch, length
+        self.batch, self.length, self.dtype, self.device = batch, length, dtype, device
 
     def kv(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"k{i}"), getattr(self, f"v{i}")
+
+    # the pass protocol of kv_offload.OffloadedKVCache (nothing to move here)
+    def begin_pass(self, prompt: Optional[int]) -> None:
+        pass
+
+    def written(self, i: int) -> None:
+        pass
+
+    def end_pass(self) -> None:
+        pass
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -174,6 +184,8 @@ class FastDecoder(nn.Module):
         self.blocks = nn.ModuleList(Block(spec, layer, plan) for layer in spec.layers)
         self.final_norm, self.lm_head = spec.final_norm, spec.lm_head
         self.cache: Optional[StaticCache] = None
+        self.kv_offload = False
+        """Keep the cache in pinned host memory (``kv_offload.OffloadedKVCache``)."""
         self._rope_table: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._step: Callable = self.step
 
@@ -218,12 +230,15 @@ class FastDecoder(nn.Module):
                 f"(e.g. \"max_out_tokens\": {-(-needed // ROUND) * ROUND}) or generate fewer tokens.")
         length = min(self.max_tokens, -(-needed // ROUND) * ROUND)
         c = self.cache
-        if c is None or c.batch != batch or c.length < needed or c.k0.dtype != dtype \
-                or c.k0.device != device:
+        if c is None or c.batch != batch or c.length < needed or c.dtype != dtype \
+                or c.device != device or getattr(c, "offloaded", False) != self.kv_offload:
             self.cache = None  # free the old one first
             kv_heads = self.spec.n_kv_heads // self.plan.size
-            self.cache = StaticCache(len(self.blocks), batch, kv_heads, length, self.spec.head_dim,
-                                     dtype, device)
+            kind = StaticCache
+            if self.kv_offload:
+                from .kv_offload import OffloadedKVCache as kind
+            self.cache = kind(len(self.blocks), batch, kv_heads, length, self.spec.head_dim,
+                              dtype, device)
         return self.cache.length
 
     # --- prefill and step ----------------------------------------------------------------
@@ -238,8 +253,12 @@ class FastDecoder(nn.Module):
             attn_mask = (causal & keep) | torch.eye(t, dtype=torch.bool, device=ids.device)
         x = self._embed(ids, positions)
         rope = self._rope(positions, x)
+        cache = self.cache
+        cache.begin_pass(t)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, self.cache.kv(i), None, attn_mask)
+            x = block(x, rope, cache.kv(i), None, attn_mask)
+            cache.written(i)
+        cache.end_pass()
         return self._logits(x if all_logits else x[:, -1])
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, positions: torch.Tensor,
@@ -250,8 +269,12 @@ class FastDecoder(nn.Module):
         mask = self._group_rows(visible[:, None, None, :])
         x = self._embed(ids, positions)
         rope = self._rope(positions, x)
+        cache = self.cache
+        cache.begin_pass(None)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, self.cache.kv(i), pos, mask)
+            x = block(x, rope, cache.kv(i), pos, mask)
+            cache.written(i)
+        cache.end_pass()
         return self._logits(x)[:, -1]
 
     def compile_step(self, cuda_graph: bool) -> None:

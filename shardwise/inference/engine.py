@@ -26,7 +26,9 @@ from .generation import resolve
 from .loading import load_into
 from .quant import quantize_linears
 from .tp import TPPlan, make_plan
-from .zero_inference import attach, host_device, layerwise_checkpoint, place_model
+from .weight_store import LayerWeights
+from .zero_inference import (attach, host_device, layerwise_checkpoint, offload_kv_cache,
+                             place_model)
 
 
 def _device(plan: TPPlan) -> torch.device:
@@ -51,7 +53,11 @@ def _compute_dtype(cfg: InferenceConfig, model: nn.Module, device: torch.device)
 class InferenceEngine(nn.Module):
     """A model ready for inference; see the module docstring."""
 
-    def __init__(self, model: nn.Module, config: InferenceConfig) -> None:
+    def __init__(self, model: nn.Module, config: InferenceConfig,
+                 layer_weights: Optional[LayerWeights] = None) -> None:
+        """``layer_weights``: with ZeRO-Inference, where a meta model's weights come from
+        layer by layer (default: the config's safetensors ``checkpoint``); e.g.
+        ``weight_store.RandomWeights()`` for benchmarks."""
         super().__init__()
         start = time.perf_counter()
         self._config = config
@@ -59,7 +65,12 @@ class InferenceEngine(nn.Module):
                               config.tensor_parallel.mpu)
         self.device = _device(self.plan)
         self.dtype = _compute_dtype(config, model, self.device)
-        layerwise = layerwise_checkpoint(model, config)  # ZeRO-Inference reads it per layer
+        if layer_weights is not None and not config.wants_param_offload:
+            raise ConfigError("layer_weights fills a meta model layer by layer while ZeRO-Inference "
+                              "streams it; it needs \"zero\": {\"stage\": 3, \"offload_param\": "
+                              "{\"device\": \"cpu\" or \"nvme\"}} in the config.")
+        layerwise = layer_weights if layer_weights is not None \
+            else layerwise_checkpoint(model, config)  # ZeRO-Inference reads it per layer
         if config.checkpoint is not None and layerwise is None:
             load_into(model, config.checkpoint, config.base_dir, host_device(config, self.device),
                       self.dtype)
@@ -74,6 +85,7 @@ class InferenceEngine(nn.Module):
             self.rebuild_fast_path()
         self._note_cuda_graph()
         self.streamer = attach(model, self.decoder, config, self.device, self.dtype, layerwise)
+        offload_kv_cache(self.decoder, config)
         if self.streamer is not None and self.decoder is not None:
             mismatch = self._probe(self.decoder)  # on the device, layers streamed
             if mismatch:
@@ -99,6 +111,9 @@ class InferenceEngine(nn.Module):
             warn_once("enable_cuda_graph applies to the fast decode path "
                       "(replace_with_kernel_inject=True on a supported model); this engine runs "
                       "the plain module without graphs.")
+        elif self._config.wants_param_offload or self._config.kv_offload:
+            warn_once("enable_cuda_graph: not used with ZeRO-Inference offload_param / kv_offload "
+                      "(the decode step copies layers from Python hooks, so it runs eagerly).")
         elif self.plan.active:
             warn_once("enable_cuda_graph: not used with tensor parallelism (the decode step is "
                       "compiled without CUDA graphs, as DeepSpeed does not graph TP either).")
@@ -133,11 +148,12 @@ class InferenceEngine(nn.Module):
                           f"generate.")
                 return
         self.decoder = decoder
-        if self.device.type == "cuda":
+        eager = self._config.wants_param_offload or self._config.kv_offload  # Python per layer
+        if self.device.type == "cuda" and not eager:
             self.decoder.compile_step(self.cuda_graph and not self.plan.active)
         log_dist(f"init_inference: fast decode path for the {spec.family} layout "
                  f"({len(spec.layers)} layers, tp={self.plan.size}, dtype={self.dtype}, "
-                 f"cuda_graph={self.cuda_graph and not self.plan.active})")
+                 f"cuda_graph={self.cuda_graph and not self.plan.active and not eager})")
 
     @torch.no_grad()
     def _probe(self, decoder: FastDecoder) -> Optional[str]:

@@ -39,8 +39,8 @@ from torch import nn
 from shardwise.errors import ConfigError
 
 from .quant_stream import QuantSpec
-from .weight_store import (MIN_NVME_BYTES, CheckpointTensors, HostSource, LayerImage, NvmeSource,
-                           Region, TensorRef, host_buffer, layout, storage_bytes, storage_key)
+from .weight_store import (MIN_NVME_BYTES, HostSource, LayerImage, LayerWeights, NvmeSource, Region,
+                           TensorRef, host_buffer, layout, storage_bytes, storage_key)
 
 _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
                 "transformer.layers", "model.transformer.h")
@@ -85,6 +85,10 @@ class StreamSettings:
     min_nvme_bytes: int = MIN_NVME_BYTES
 
 
+#: layers queued ahead on CUDA at least (``stage3_max_live_parameters`` still caps it)
+MIN_AHEAD = 2
+
+
 def _events(device: torch.device) -> Optional[Any]:
     return torch.cuda if device.type == "cuda" else None
 
@@ -94,7 +98,7 @@ class LayerStreamer:
 
     def __init__(self, model: nn.Module, decoder: Optional[nn.Module], device: torch.device,
                  settings: StreamSettings, dtype: torch.dtype,
-                 checkpoint: Optional[CheckpointTensors] = None) -> None:
+                 checkpoint: Optional[LayerWeights] = None) -> None:
         self.device, self.settings, self.dtype = device, settings, dtype
         self.checkpoint = checkpoint  # weights of a meta model, read layer by layer
         self._names: Dict[int, str] = {}
@@ -228,6 +232,8 @@ class LayerStreamer:
         per_layer = max(1, max(img.numel for img in self.images))
         live = max(2, s.max_live_parameters // per_layer)
         ahead = max(1, -(-s.prefetch_bucket_size // per_layer))
+        if self.device.type == "cuda":  # >= 2 copies queued: the link never waits on Python
+            ahead = max(ahead, MIN_AHEAD)
         k = max(1, min(live - 1, ahead))
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -252,9 +258,16 @@ class LayerStreamer:
         self.last_use = [0] * n
         self.ready: List[Any] = [None] * n
         self.done: List[Any] = [None] * n
+        self.expanded: List[Any] = [None] * n  # the slot's codes expanded (expand stream)
         self.slot_of: Dict[int, int] = {}
         self.bound: Dict[int, int] = {}
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        # int4/int8 codes are expanded on their own stream: the copy stream only copies, so
+        # the link stays busy while the previous layer is dequantized
+        quant = self.settings.quant is not None
+        self.expand_stream = torch.cuda.Stream(self.device) if cuda and quant else None
+        self._views: Dict[Tuple[int, int], List[Tuple[TensorRef, torch.Tensor]]] = {}
 
     def _make_staging(self) -> None:
         nvme = [img.source.nbytes for img in self.images if isinstance(img.source, NvmeSource)]
@@ -328,12 +341,16 @@ class LayerStreamer:
             with torch.cuda.stream(self.copy_stream):
                 if self.done[slot] is not None:
                     self.copy_stream.wait_event(self.done[slot])
+                if self.expanded[slot] is not None:  # a prefetched layer never computed
+                    self.copy_stream.wait_event(self.expanded[slot])
                 self._copy(img, host[:n], slot)
                 ev = torch.cuda.Event()
                 ev.record(self.copy_stream)
-            self.ready[slot] = ev
             if stage is not None:
                 self.stage_free[stage] = ev
+            if self.expand_stream is not None and img.world == 1:
+                ev = self.expanded[slot] = self._expand_async(img, slot, ev)
+            self.ready[slot] = ev
         else:
             self._copy(img, host[:n], slot)
         self.owner[slot], self.slot_of[j] = j, slot
@@ -348,6 +365,9 @@ class LayerStreamer:
         return slot
 
     def _copy(self, img: LayerImage, host: torch.Tensor, slot: int) -> None:
+        """One copy of the layer's bytes (its shard at world size > 1) into the slot, or into
+        the slot's staging buffer when quantized (expanded here on CPU, on the expand
+        stream on CUDA: ``_expand_async``)."""
         non_blocking = self.device.type == "cuda"
         if img.world > 1:
             self._gather(img, host, slot, non_blocking)
@@ -356,7 +376,19 @@ class LayerStreamer:
         else:
             staged = self.staging[slot][:host.numel()]
             staged.copy_(host, non_blocking=non_blocking)
-            img.expand(staged, self.slots[slot])
+            if self.expand_stream is None:
+                img.expand(staged, self.slots[slot])
+
+    def _expand_async(self, img: LayerImage, slot: int, copied: Any) -> Any:
+        """Dequantize the slot's staged codes on the expand stream once ``copied`` fired;
+        returns the event the compute waits for. The next copy into this slot's staging
+        buffer waits for the compute of the layer (so for this expansion too)."""
+        with torch.cuda.stream(self.expand_stream):
+            self.expand_stream.wait_event(copied)
+            img.expand(self.staging[slot][:img.shard_bytes], self.slots[slot])
+            ev = torch.cuda.Event()
+            ev.record(self.expand_stream)
+        return ev
 
     def _gather(self, img: LayerImage, host: torch.Tensor, slot: int, non_blocking: bool) -> None:
         """World size > 1: copy this rank's shard up, all-gather the layer, expand if quantized."""
@@ -379,13 +411,23 @@ class LayerStreamer:
         if self.copy_stream is not None and self.ready[slot] is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
         if self.bound.get(i) != slot:
-            self.images[i].bind(self.slots[slot])
+            self._bind(i, slot)
             self.bound[i] = slot
         self._seq += 1
         self.last_use[slot] = self._seq
         n = len(self.images)
         for d in range(1, self.window + 1):
             self.fetch((i + d) % n)
+
+    def _bind(self, i: int, slot: int) -> None:
+        """Point layer ``i``'s tensors at their views of ``slot`` (views built once per pair)."""
+        views = self._views.get((i, slot))
+        if views is None:
+            views = [(ref, view) for region in self.images[i].regions
+                     for ref, view in zip(region.refs, region.views(self.slots[slot]))]
+            self._views[(i, slot)] = views
+        for ref, view in views:
+            ref.set(view)
 
     def leave(self, i: int) -> None:
         """Forward hook of layer ``i``: mark its slot reusable once its compute has run."""

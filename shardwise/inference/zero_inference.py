@@ -13,7 +13,9 @@ The engine calls two functions here:
   offload the whole model goes to ``device``; with it the model stays on the host (in
   ``dtype``), so the fast path fuses its projections there;
 * ``attach(model, decoder, cfg, device, dtype)`` once the module is final (int8, fast path):
-  builds the ``LayerStreamer`` (None without parameter offload).
+  builds the ``LayerStreamer`` (None without parameter offload);
+* ``offload_kv_cache(decoder, cfg)``: ``kv_offload: true`` puts the fast path's KV cache in
+  pinned host memory (``kv_offload.py``).
 """
 from __future__ import annotations
 
@@ -24,11 +26,11 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.utils.logging import log_dist
+from shardwise.utils.logging import log_dist, warn_once
 
 from .config import InferenceConfig
 from .streaming import LayerStreamer, StreamSettings
-from .weight_store import CheckpointTensors
+from .weight_store import CheckpointTensors, LayerWeights
 
 
 def host_device(cfg: InferenceConfig, device: torch.device) -> torch.device:
@@ -83,10 +85,6 @@ def _distributed() -> bool:
 def place_model(model: nn.Module, cfg: InferenceConfig, device: torch.device,
                 dtype: Optional[torch.dtype]) -> nn.Module:
     """Put ``model`` where inference runs: on ``device``, or on the host for ZeRO-Inference."""
-    if cfg.kv_offload:
-        raise ConfigError("kv_offload = true (KV cache in pinned host memory) is not implemented "
-                          "yet; the static KV cache lives on the device. Remove kv_offload, and "
-                          "size the batch with zero_inference.auto_batch_size.")
     if cfg.wants_param_offload:
         _check(cfg)
     elif cfg.weight_quantization.quantized_initialization is not None:
@@ -103,7 +101,7 @@ def place_model(model: nn.Module, cfg: InferenceConfig, device: torch.device,
 
 def attach(model: nn.Module, decoder: Optional[nn.Module], cfg: InferenceConfig,
            device: torch.device, dtype: torch.dtype,
-           checkpoint: Optional[CheckpointTensors] = None) -> Optional[LayerStreamer]:
+           checkpoint: Optional[LayerWeights] = None) -> Optional[LayerStreamer]:
     """Start streaming ``model``'s decoder layers (None without parameter offload); a meta
     model's weights come from ``checkpoint`` (``layerwise_checkpoint``), one layer at a time."""
     if not cfg.wants_param_offload:
@@ -120,6 +118,23 @@ def attach(model: nn.Module, decoder: Optional[nn.Module], cfg: InferenceConfig,
     return streamer
 
 
+def offload_kv_cache(decoder: Optional[nn.Module], cfg: InferenceConfig) -> None:
+    """``kv_offload: true``: the fast path's KV cache goes to pinned host memory
+    (``kv_offload.OffloadedKVCache``); its decode step runs eagerly (the per-layer copies are
+    Python). Without the fast path there is nothing to offload: said once."""
+    if not cfg.kv_offload:
+        return
+    if decoder is None:
+        warn_once("kv_offload: the KV cache is offloaded by the fast decode path "
+                  "(replace_with_kernel_inject=True on a supported decoder); this engine runs "
+                  "Hugging Face generate, whose cache stays on the device.")
+        return
+    decoder.kv_offload = True
+    decoder._step, decoder._graphs = decoder.step, False
+    log_dist("ZeRO-Inference: KV cache in pinned host memory (kv_offload), streamed to the "
+             "device one layer ahead")
+
+
 def _free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -129,9 +144,10 @@ def _free_bytes(device: torch.device) -> int:
 
 
 def bytes_per_sequence(config: object, prompt_tokens: int, new_tokens: int,
-                       dtype: torch.dtype) -> int:
+                       dtype: torch.dtype, kv_offload: bool = False) -> int:
     """Device bytes one more sequence costs: its static KV cache (cache length rounded up
-    to 128 as the fast path does) plus the prefill's largest activations and fp32 logits."""
+    to 128 as the fast path does; with ``kv_offload`` only the two layers' device slots)
+    plus the prefill's largest activations and fp32 logits."""
     from .decode import ROUND
     hidden = int(getattr(config, "hidden_size"))
     heads = int(getattr(config, "num_attention_heads"))
@@ -142,7 +158,7 @@ def bytes_per_sequence(config: object, prompt_tokens: int, new_tokens: int,
     vocab = int(getattr(config, "vocab_size"))
     size = torch.empty((), dtype=dtype).element_size()
     length = -(-(prompt_tokens + new_tokens) // ROUND) * ROUND
-    cache = 2 * layers * kv_heads * head_dim * length * size
+    cache = 2 * (2 if kv_offload else layers) * kv_heads * head_dim * length * size
     prefill = prompt_tokens * (4 * hidden + 3 * inter + (heads + 2 * kv_heads) * head_dim) * size
     return cache + prefill + 2 * vocab * 4
 
@@ -152,5 +168,7 @@ def auto_batch_size(engine: nn.Module, prompt_tokens: int, new_tokens: int,
     """The largest batch whose KV cache and activations fit next to the streamed model
     (ZeRO-Inference's ``max_batch_size="auto"``): free device memory now (slots and resident
     weights already allocated) x ``headroom`` / ``bytes_per_sequence``; at least 1."""
-    per_seq = bytes_per_sequence(engine.module.config, prompt_tokens, new_tokens, engine.dtype)
+    kv_offload = bool(getattr(getattr(engine, "decoder", None), "kv_offload", False))
+    per_seq = bytes_per_sequence(engine.module.config, prompt_tokens, new_tokens, engine.dtype,
+                                 kv_offload)
     return max(1, int(_free_bytes(engine.device) * headroom) // per_seq)

@@ -1,5 +1,6 @@
 """ZeRO-Inference at world size 2 (gloo): each rank holds half of every streamed layer and the
-ranks all-gather it per fetch; tokens equal the plain model's generate on both ranks."""
+ranks all-gather it per fetch (with kv_offload too: each rank's cache in its host memory);
+tokens equal the plain model's generate on both ranks."""
 import copy
 import tempfile
 
@@ -16,10 +17,11 @@ def _worker(rank, world_size, nvme_root):
     ids, mask = prompts(2)
     ref = m.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=1)
     results = {}
-    for where in ("cpu", "nvme"):
+    for where in ("cpu", "nvme", "cpu+kv_offload"):
         extra = {"nvme_path": nvme_root} if where == "nvme" else {}
         eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", replace_with_kernel_inject=True,
-                                       zero=zero(m, where, **extra))
+                                       zero=zero(m, where.split("+")[0], **extra),
+                                       kv_offload=where.endswith("kv_offload"))
         s = eng.streamer
         out = eng.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=1)
         plain = eng.module.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,

@@ -62,3 +62,46 @@ def test_quantized_streaming_bf16_logits(bits, tol):
     eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", zero=zero(m), weight_quantization=wq)
     err = (eng(ids).logits - ref).abs().max().item()
     assert err < tol, err
+
+
+def test_kv_offload_equals_device_cache():
+    """kv_offload on CUDA: pinned host cache, side-stream copies one layer ahead; the same
+    tokens as the on-device cache (fp32), with and without streamed weights."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m = model("llama", layers=4, hidden=128, ffn=512)
+    ids, mask = _cuda(3)
+    # the reference: the same fast path (streamed weights: eager steps, no compile) with its
+    # static cache on the device
+    plain = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", replace_with_kernel_inject=True,
+                                     max_out_tokens=64, zero=zero(m))
+    ref = plain.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=1, eos_token_id=None)
+    plain.streamer.close()
+    for extra in ({}, {"zero": zero(m)}):
+        eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", replace_with_kernel_inject=True,
+                                       max_out_tokens=64, kv_offload=True, **extra)
+        out = eng.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=1,
+                           eos_token_id=None)
+        assert torch.equal(out, ref)
+        cache = eng.decoder.cache
+        assert cache.stream is not None and all(h.is_pinned() for h in cache.host)
+        assert cache.stats["copies"] >= 4 * 7
+
+
+def test_default_window_queues_two_layers_and_int4_expands_off_the_copy_stream():
+    from shardwise.inference.quant_stream import QuantSpec, roundtrip
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m = model("llama", layers=5, hidden=128, ffn=512)
+    ids, _ = _cuda(2)
+    wq = {"quantized_initialization": {"num_bits": 4, "group_size": 64}}
+    eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", weight_quantization=wq,
+                                   zero={"stage": 3, "offload_param": {"device": "cpu"},
+                                         "stage3_param_persistence_threshold": 1000})
+    s = eng.streamer
+    assert s.window >= 2 and s.expand_stream is not None
+    ref_model = copy.deepcopy(m)
+    for layer in ref_model.model.layers:
+        for p in layer.parameters():
+            if p.numel() > 1000:
+                p.data = roundtrip(p.data, QuantSpec(4, 64))
+    ref = ref_model.cuda()(ids).logits
+    torch.testing.assert_close(eng(ids).logits, ref, rtol=1e-4, atol=1e-4)

@@ -148,8 +148,6 @@ def test_bad_values_are_errors_naming_them(tmp_path):
     with pytest.raises(ConfigError, match="offload_param"):
         shardwise.init_inference(m, dtype="fp32",
                                  weight_quantization={"quantized_initialization": {"num_bits": 4}})
-    with pytest.raises(ConfigError, match="kv_offload"):
-        shardwise.init_inference(m, dtype="fp32", zero=zero(m), kv_offload=True)
     with pytest.raises(ConfigError, match="nvme_path"):
         shardwise.init_inference(m, zero={"stage": 3, "offload_param": {"device": "nvme"}})
 
@@ -208,3 +206,33 @@ def test_nvme_streaming_path_with_spaces(tmp_path):
     assert torch.equal(out, ref)
     eng.streamer.close()
     assert not any(folder.rglob("*.swp"))
+
+
+def test_meta_model_with_random_weights_is_built_layer_by_layer_int4():
+    """The 70B benchmark's route: a meta model whose layers are made one at a time by
+    RandomWeights straight into the int4 host store; the model is never whole anywhere."""
+    from shardwise.inference.engine import InferenceEngine
+    from shardwise.inference.config import load_inference_config
+    from shardwise.inference.weight_store import RandomWeights
+    m = model("llama", layers=3, hidden=128, ffn=256)
+    with shardwise.OnDevice(dtype=torch.float32, device="meta"):
+        empty = type(m)(m.config)
+    cfg = load_inference_config(None, dtype="fp32", replace_with_kernel_inject=True,
+                                zero_optimization=zero(m),
+                                weight_quantization={"quantized_initialization": {"num_bits": 4}})
+    eng = InferenceEngine(empty, cfg, layer_weights=RandomWeights(std=0.05, seed=3, device="cpu"))
+    assert eng.decoder is not None and not any(p.is_meta for p in eng.module.parameters())
+    s = eng.streamer
+    assert s.bytes_per_pass < 0.3 * sum(img.image_bytes for img in s.images)  # int4 host copies
+    norm = eng.module.model.layers[0].input_layernorm.weight
+    assert torch.equal(norm, torch.ones_like(norm))
+    emb = eng.module.model.embed_tokens.weight
+    assert 0.04 < emb.std().item() < 0.06
+    ids, mask = prompts(2)
+    out = eng.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=1)
+    plain = eng.module.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                pad_token_id=1)
+    assert torch.equal(out, plain)
+    with pytest.raises(ConfigError, match="layer_weights"):
+        InferenceEngine(type(m)(m.config), load_inference_config(None, dtype="fp32"),
+                        layer_weights=RandomWeights(device="cpu"))
