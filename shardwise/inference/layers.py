@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import Linear
-from .quant import int8_linear
+from .quant import GEMV_ROWS, gemv, int8_linear
 from .tp import TPPlan, all_reduce
 
 
@@ -32,10 +32,15 @@ class Proj(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.plan = plan  # set for row-parallel layers: all-reduce, then add the bias
+        self.reduce_gemv = False  # DecodeOptions.gemv == "reduction" (compiled CUDA decode step)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias_now = None if self.plan is not None else self.bias
-        if self.scale is None:
+        if self.scale is None and self.reduce_gemv and x.is_cuda and torch.compiler.is_compiling() \
+                and x.numel() // x.shape[-1] <= GEMV_ROWS:
+            y = gemv(x, self.weight)
+            y = y if bias_now is None else y + bias_now
+        elif self.scale is None:
             y = F.linear(x, self.weight, bias_now)
         else:
             y = int8_linear(x, self.weight, self.scale, bias_now)
@@ -113,3 +118,18 @@ def head_rows(n_heads: int, head_dim: int, plan: TPPlan, offset: int = 0,
     first, last = plan.chunk(n_heads)
     unit = per_head * head_dim
     return [(offset + first * unit, offset + last * unit)]
+
+
+def reduction_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: Optional[float]) -> torch.Tensor:
+    """Decode attention as reductions: q (B, H, G, D) over k/v (B, H, S, D), bool mask (B, 1, G, S).
+
+    Written for inductor (compiled step only): q.k is a reduction over D with B*H*G*S rows,
+    so the cache length is spread over many blocks instead of one block per head; softmax
+    and p.v follow in fp32. Every row must have a visible key (decode: its own position).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.unsqueeze(-2).float() * k.unsqueeze(-3).float()).sum(-1) * scale  # (B, H, G, S)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    out = (probs.unsqueeze(-1) * v.unsqueeze(-3).float()).sum(-2)  # (B, H, G, D)
+    return out.to(q.dtype)

@@ -158,3 +158,24 @@ def test_gemma_layout_runs_the_fast_path():
     ref = m.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=1, eos_token_id=None)
     assert torch.equal(eng.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=1,
                                     eos_token_id=None), ref)
+
+
+def test_decode_options_name_the_bad_value():
+    from shardwise.inference.decode import DecodeOptions
+    with pytest.raises(ConfigError, match="attention = 'flash'"):
+        DecodeOptions(attention="flash")
+
+
+def test_reduction_forms_equal_sdpa_and_linear():
+    """The compiled-step alternatives (DecodeOptions "reduction") compute the same values."""
+    from shardwise.inference.layers import reduction_attention
+    from shardwise.inference.quant import gemv
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 16, generator=g)
+    k, v = torch.randn(2, 3, 10, 16, generator=g), torch.randn(2, 3, 10, 16, generator=g)
+    mask = torch.rand(2, 1, 4, 10, generator=g) > 0.4
+    mask[..., 0] = True  # every row sees a key (decode: its own position)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(reduction_attention(q, k, v, mask, 0.3), ref, rtol=1e-5, atol=1e-5)
+    x, w = torch.randn(2, 1, 16, generator=g), torch.randn(24, 16, generator=g)
+    torch.testing.assert_close(gemv(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
