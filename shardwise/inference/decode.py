@@ -29,7 +29,8 @@ from torch import nn
 from shardwise.errors import ConfigError
 
 from .arch import DecoderSpec, LayerSpec
-from .layers import Proj, column_parallel, head_rows, reduction_attention, row_parallel
+from .layers import (SPLIT_KV_CHUNK, Proj, column_parallel, head_rows, reduction_attention,
+                     row_parallel, split_kv_attention)
 from .tp import TPPlan
 
 ROUND = 128  # cache lengths are rounded up to this, so few shapes get compiled
@@ -49,13 +50,16 @@ class DecodeOptions:
     (``F.linear``, a cuBLAS GEMV) or "reduction" (multiply + sum, which inductor turns into one
     Triton reduction with the neighbouring elementwise ops fused into it)."""
     attention: str = "sdpa"
-    """Decode attention: "sdpa" (``F.scaled_dot_product_attention`` with a mask) or
-    "reduction" (q.k, softmax and p.v as reductions over the cache, fp32 accumulation)."""
+    """Decode attention: "sdpa" (``F.scaled_dot_product_attention`` with a mask: one block of
+    the efficient kernel per KV head), "split" (flash-decoding: the cache in 64-key blocks
+    through the same kernel, combined by their log-sum-exp; ``layers.split_kv_attention``)
+    or "reduction" (q.k, softmax and p.v as reductions over the cache, fp32 accumulation)."""
     coordinate_descent: bool = True
     """inductor's ``coordinate_descent_tuning`` (gpt-fast's setting) for the step's kernels."""
 
     def __post_init__(self) -> None:
-        for name, allowed in (("gemv", ("cublas", "reduction")), ("attention", ("sdpa", "reduction"))):
+        for name, allowed in (("gemv", ("cublas", "reduction")),
+                              ("attention", ("sdpa", "split", "reduction"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"DecodeOptions.{name} = {getattr(self, name)!r}; expected one of "
                                   f"{', '.join(allowed)}.")
@@ -106,7 +110,7 @@ class Block(nn.Module):
         self.pre_norm, self.parallel = spec.pre_norm, spec.parallel_residual
         self.scale = spec.attn_scale
         self.prescale_q = spec.prescale_q
-        self.reduce_attention = False  # DecodeOptions.attention == "reduction" (compiled CUDA step)
+        self.decode_attention = "sdpa"  # DecodeOptions.attention (CUDA decode steps)
         self.qkv = self._qkv(spec, layer, plan)
         self.o = row_parallel(layer.o, plan.chunk(spec.n_heads * spec.head_dim) if plan.active else None, plan)
         if layer.gate is not None:
@@ -170,7 +174,10 @@ class Block(nn.Module):
                                                  is_causal=mask is None and t > 1)
         else:  # decode, GQA without copying K/V: a KV head's G query heads become G query rows
             q = q.reshape(b, self.kv_heads, g * t, self.head_dim)
-            if self.reduce_attention and q.is_cuda and torch.compiler.is_compiling():
+            kind = self.decode_attention if q.is_cuda else "sdpa"
+            if kind == "split" and keys.shape[2] % SPLIT_KV_CHUNK == 0:
+                out = split_kv_attention(q, keys, values, mask, scale)
+            elif kind == "reduction" and torch.compiler.is_compiling():
                 out = reduction_attention(q, keys, values, mask, scale)
             else:
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
@@ -295,7 +302,7 @@ class FastDecoder(nn.Module):
             if isinstance(module, Proj):
                 module.reduce_gemv = options.gemv == "reduction"
             elif isinstance(module, Block):
-                module.reduce_attention = options.attention == "reduction"
+                module.decode_attention = options.attention
 
     def compile_step(self, cuda_graph: bool) -> None:
         """Compile ``step`` (fullgraph); with ``cuda_graph`` its replays are CUDA graphs."""

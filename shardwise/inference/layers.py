@@ -11,7 +11,7 @@ columns (row-parallel) and points the module at those, so each rank holds its sh
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -132,4 +132,41 @@ def reduction_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     scores = (q.unsqueeze(-2).float() * k.unsqueeze(-3).float()).sum(-1) * scale  # (B, H, G, S)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     out = (probs.unsqueeze(-1) * v.unsqueeze(-3).float()).sum(-2)  # (B, H, G, D)
+    return out.to(q.dtype)
+
+
+#: keys per block of ``split_kv_attention`` (one key block of the efficient kernel at D = 128)
+SPLIT_KV_CHUNK = 64
+
+
+def efficient_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     scale: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp) of PyTorch's memory-efficient attention kernel (CUDA)."""
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, scale=scale)[:2]
+    return out, lse[..., :q.shape[2]]  # the kernel pads the log-sum-exp rows to 32
+
+
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: Optional[float], chunk: int = SPLIT_KV_CHUNK,
+                       chunks_fn: Callable = efficient_chunks) -> torch.Tensor:
+    """Flash-decoding with PyTorch's own kernel: q (B, H, G, D) over k/v (B, H, S, D).
+
+    The cache is cut into S / ``chunk`` blocks that attend in parallel (one kernel launch over
+    B * H * S / chunk blocks instead of B * H), each returning its log-sum-exp; the blocks
+    are then combined exactly (softmax rescaling). ``mask`` is bool (B, 1, G, S); a block
+    with no visible key contributes nothing. ``S`` must be a multiple of ``chunk``.
+    """
+    b, h, g, d = q.shape
+    s = k.shape[2]
+    n = s // chunk
+    kc, vc = k.reshape(b, h * n, chunk, d), v.reshape(b, h * n, chunk, d)
+    qc = q.unsqueeze(2).expand(b, h, n, g, d).reshape(b, h * n, g, d)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    bias = bias.view(b, 1, g, n, chunk).transpose(2, 3).expand(b, h, n, g, chunk)
+    out, lse = chunks_fn(qc, kc, vc, bias.reshape(b, h * n, g, chunk).contiguous(), scale)
+    out = torch.nan_to_num(out.float().view(b, h, n, g, d))  # a fully masked block: no weight
+    lse = torch.nan_to_num(lse.float().view(b, h, n, g), nan=float("-inf"))
+    weight = torch.exp(lse - lse.amax(dim=2, keepdim=True))  # (B, H, n, G)
+    out = (weight.unsqueeze(-1) * out).sum(2) / weight.sum(2).unsqueeze(-1)
     return out.to(q.dtype)

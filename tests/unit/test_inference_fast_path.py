@@ -179,3 +179,25 @@ def test_reduction_forms_equal_sdpa_and_linear():
     torch.testing.assert_close(reduction_attention(q, k, v, mask, 0.3), ref, rtol=1e-5, atol=1e-5)
     x, w = torch.randn(2, 1, 16, generator=g), torch.randn(24, 16, generator=g)
     torch.testing.assert_close(gemv(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def _math_chunks(q, k, v, bias, scale):
+    """(output, log-sum-exp) per block, as the efficient kernel returns them (fully masked: NaN)."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale + bias.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1) @ v.float(), lse
+
+
+def test_split_kv_attention_combines_blocks_exactly():
+    """Flash-decoding's block combine equals one attention over the whole cache, including
+    blocks with no visible key (positions past the current one)."""
+    from shardwise.inference.layers import split_kv_attention
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 16, generator=g)
+    k, v = torch.randn(2, 3, 32, 16, generator=g), torch.randn(2, 3, 32, 16, generator=g)
+    mask = torch.zeros(2, 1, 4, 32, dtype=torch.bool)
+    mask[0, ..., :11] = True  # row 0 sees blocks 0-1 (partly), blocks 2-3 are fully masked
+    mask[1, ..., 3:20] = True  # row 1: left padding, then up to its position
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+    out = split_kv_attention(q, k, v, mask, 0.25, chunk=8, chunks_fn=_math_chunks)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
