@@ -59,7 +59,9 @@ def build_model(torch: Any, size: str, device: str) -> Any:
     return model.eval()
 
 
-def make_engine(variant: str, model: Any, torch: Any, max_tokens: int, device: str) -> Any:
+def make_engine(variant: str, model: Any, torch: Any, max_tokens: int, device: str,
+                decode: str = "") -> Any:
+    """The variant's engine around ``model``; ``decode``: DecodeOptions for shardwise's step."""
     dtype = "bf16" if device == "cuda" else "fp32"
     if variant.startswith("hf"):
         return model
@@ -70,8 +72,13 @@ def make_engine(variant: str, model: Any, torch: Any, max_tokens: int, device: s
     import shardwise
     if variant == "sw_eager":
         return shardwise.init_inference(model, dtype=dtype)
-    return shardwise.init_inference(model, dtype="int8" if variant == "sw_int8" else dtype,
-                                    replace_with_kernel_inject=True, max_out_tokens=max_tokens)
+    engine = shardwise.init_inference(model, dtype="int8" if variant == "sw_int8" else dtype,
+                                      replace_with_kernel_inject=True, max_out_tokens=max_tokens)
+    if decode and engine.decoder is not None and device == "cuda":  # decode_probe's winner
+        from shardwise.inference.decode import DecodeOptions
+        engine.decoder.set_options(DecodeOptions.parse(decode))
+        engine.decoder.compile_step(engine.cuda_graph)
+    return engine
 
 
 def _perplexity(torch: Any, model: Any, size: str, device: str) -> float:
@@ -140,7 +147,8 @@ def run_unit(size: str, variants: List[str], batches: List[int], args: Any) -> N
         t1 = time.perf_counter()
         try:
             ppl = _perplexity(torch, model, size, args.device) if variant == "sw_int8" else None
-            engine = make_engine(variant, model, torch, args.prompt + args.new, args.device)
+            engine = make_engine(variant, model, torch, args.prompt + args.new, args.device,
+                                 args.decode if variant.startswith("sw") else "")
             extra: Dict[str, Any] = {}
             if ppl is not None:  # int8's accuracy cost on a fixed text (random weights: relative)
                 after = _perplexity(torch, engine.module, size, args.device)
@@ -158,6 +166,8 @@ def run_unit(size: str, variants: List[str], batches: List[int], args: Any) -> N
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
             row.update(extra, weight_bytes=bf16_bytes)
+            if args.decode and variant in ("sw_inject", "sw_int8"):
+                row["decode"] = args.decode
             if bandwidth and "tok_s" in row:
                 bound = bandwidth / bf16_bytes
                 row.update(copy_tb_s=bandwidth / 1e12, hbm_bound_tok_s=bound,

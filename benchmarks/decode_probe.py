@@ -34,22 +34,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _infer_measure import SIZES, build_model, copy_bandwidth  # noqa: E402
 
-DEFAULT_JOBS = ("7b:base,7b:attention=reduction,7b:gemv=reduction,1.1b:base,"
-                "7b:gemv=reduction+attention=reduction,7b:coordinate_descent=false")
+DEFAULT_JOBS = ("7b:base,7b:attention=split,7b:gemv=reduction,7b:gemv=reduction+attention=split,"
+                "1.1b:base,1.1b:attention=split,7b:attention=reduction")
 #: a rough cost of one job (build + compile + measure), to decide whether it fits the budget
 JOB_ESTIMATE_S = {"tiny": 5, "1.1b": 45, "7b": 60}
 
 
 def parse_options(text: str) -> Any:
-    """``gemv=reduction+attention=reduction`` -> DecodeOptions (``base``: the defaults)."""
+    """``gemv=reduction+attention=split`` -> DecodeOptions (``base``: the defaults)."""
     from shardwise.inference.decode import DecodeOptions
-    if text == "base":
-        return DecodeOptions()
-    kwargs: Dict[str, Any] = {}
-    for item in text.split("+"):
-        key, _, value = item.partition("=")
-        kwargs[key] = {"true": True, "false": False}.get(value.lower(), value)
-    return DecodeOptions(**kwargs)
+    return DecodeOptions.parse(text)
 
 
 class Timer:
@@ -236,7 +230,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--steps", type=int, default=100, help="steps timed in (a)")
-    p.add_argument("--budget", type=float, default=215.0, help="seconds; later jobs are skipped")
+    p.add_argument("--budget", type=float, default=210.0, help="seconds; later jobs are skipped")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     start = time.perf_counter()

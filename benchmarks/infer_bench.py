@@ -118,6 +118,8 @@ def run_unit_process(unit: str, args: argparse.Namespace, timeout: float) -> Lis
     """Run ``unit`` in a child; its rows, plus an error row for every (variant, batch) it missed."""
     cmd = [sys.executable, __file__, "--child", unit, "--prompt", str(args.prompt), "--new",
            str(args.new), "--device", args.device, "--repeats", str(args.repeats)]
+    if args.decode:
+        cmd += ["--decode", args.decode]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         rows, why = _rows_from(proc.stdout), f"exit code {proc.returncode}"
@@ -169,6 +171,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="timed calls per compiled row (eager: 1)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--decode", default="", help="DecodeOptions for shardwise's compiled step, as "
+                   "decode_probe.py names them (e.g. attention=split); default: the engine's")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole call")
     p.add_argument("--plan", action="store_true", help="print the units and estimates, run nothing")
     p.add_argument("--out", default=None, help="JSON file of rows: read first, rows of this run "

@@ -20,7 +20,7 @@ plain model's ``generate`` on CPU in fp32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,20 @@ class DecodeOptions:
     or "reduction" (q.k, softmax and p.v as reductions over the cache, fp32 accumulation)."""
     coordinate_descent: bool = True
     """inductor's ``coordinate_descent_tuning`` (gpt-fast's setting) for the step's kernels."""
+
+    @classmethod
+    def parse(cls, text: str) -> "DecodeOptions":
+        """``"gemv=reduction+attention=split"`` (``"base"`` or "": the defaults)."""
+        kwargs: Dict[str, Any] = {}
+        for item in filter(None, text.split("+")):
+            if item == "base":
+                continue
+            key, _, value = item.partition("=")
+            if key not in cls.__dataclass_fields__:
+                raise ConfigError(f"DecodeOptions: unknown setting {key!r} in {text!r}; known: "
+                                  f"{', '.join(cls.__dataclass_fields__)}.")
+            kwargs[key] = {"true": True, "false": False}.get(value.lower(), value)
+        return cls(**kwargs)
 
     def __post_init__(self) -> None:
         for name, allowed in (("gemv", ("cublas", "reduction")),

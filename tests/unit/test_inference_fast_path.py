@@ -201,3 +201,12 @@ def test_split_kv_attention_combines_blocks_exactly():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
     out = split_kv_attention(q, k, v, mask, 0.25, chunk=8, chunks_fn=_math_chunks)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_options_parse_the_probe_names():
+    from shardwise.inference.decode import DecodeOptions
+    opts = DecodeOptions.parse("gemv=reduction+attention=split+coordinate_descent=false")
+    assert (opts.gemv, opts.attention, opts.coordinate_descent) == ("reduction", "split", False)
+    assert DecodeOptions.parse("base") == DecodeOptions()
+    with pytest.raises(ConfigError, match="unknown setting 'gemm'"):
+        DecodeOptions.parse("gemm=reduction")
