@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _child_run import tok_s_ratio  # noqa: E402
+from _child_run import tok_s_ratio  # noqa: E402,F401  (the tests read it here)
 from _infer_measure import SIZES, build_model, copy_bandwidth, run_unit  # noqa: E402,F401
-from _infer_report import print_int8_accuracy, print_tables, print_targets  # noqa: E402,F401
+from _infer_report import (print_int8_accuracy, print_tables, print_targets,  # noqa: E402,F401
+                           target_lines)
 
 VARIANTS = ["hf_eager", "hf_static", "ds", "ds_inject", "sw_eager", "sw_inject", "sw_int8"]
 
