@@ -11,7 +11,8 @@ or ``base``) it compiles shardwise's kernel-injected decode step and reports:
   (c) the same for the other jobs (the alternatives to compare),
   (d) for the first job: the torch.profiler top-15 CUDA kernels over 20 steps, the share of
       GEMV / attention / other, kernels per step; and each projection shape's cuBLAS GEMV
-      alone in GB/s against the measured copy bandwidth.
+      alone in GB/s against the measured copy bandwidth (cuBLAS bf16, and
+      ``torch._weight_int8pack_mm`` on CUDA where this torch has it).
 
 A compact table comes last. Jobs past ``--budget`` seconds are skipped (and listed), so
 one call stays inside its time limit.
@@ -135,32 +136,48 @@ def profile_steps(dec: Any, inputs: tuple, steps: int = 20) -> Dict[str, Any]:
         print(f"{_kind(name):9} {sum(times) / 1000:9.2f} {100 * sum(times) / total:5.1f}% "
               f"{len(times) / steps:10.1f} {sum(times) / len(times):8.1f}  {name[:90]}")
     print("shares: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()))
+    if sum(len(v) for v in kernels.values()) < 10 * steps:
+        print("note: few kernels seen; this profiler may not report the kernels inside CUDA "
+              "graphs (run a job with --no-graph to see them)")
     return {f"share_{k}": v for k, v in shares.items()}
+
+
+def _time_us(fn: Any, reps: int) -> float:
+    for _ in range(5):
+        fn()
+    with Timer("cuda") as t:
+        for _ in range(reps):
+            fn()
+    return t.ms * 1000 / reps
 
 
 @torch.no_grad()
 def gemv_bandwidth(size: str, bandwidth: float, reps: int = 50) -> None:
-    """Each projection shape of ``size`` as one cuBLAS GEMV (batch 1, bf16), GB/s vs copy bandwidth."""
+    """Each projection shape of ``size`` at batch 1: cuBLAS bf16 GEMV and PyTorch's own
+    ``_weight_int8pack_mm`` on CUDA (where this torch has it), GB/s of weight bytes vs copy."""
     s = SIZES[size]
     h, i, v = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
     d = h // s["num_attention_heads"]
     shapes = {"qkv": ((s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * d, h),
               "o": (h, h), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (v, h)}
-    print(f"\n(d) cuBLAS GEMV alone, {size}, batch 1, bf16 (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
-    print(f"{'proj':8} {'out x in':>13} {'MB':>7} {'us':>8} {'GB/s':>7} {'of copy':>7}")
+    print(f"\n(d) one GEMV alone, {size}, batch 1 (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
+    print(f"{'proj':8} {'out x in':>13} {'bf16 us':>8} {'GB/s':>6} {'of copy':>7} "
+          f"{'int8pack us':>11} {'GB/s':>6} {'of copy':>7}")
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        for _ in range(5):
-            torch.nn.functional.linear(x, w)
-        with Timer("cuda") as t:
-            for _ in range(reps):
-                torch.nn.functional.linear(x, w)
-        us = t.ms * 1000 / reps
-        gbs = w.numel() * 2 / (us * 1e-6) / 1e9
-        print(f"{name:8} {n:>6}x{k:<6} {w.numel() * 2 / 1e6:7.1f} {us:8.1f} {gbs:7.0f} "
-              f"{100 * gbs * 1e9 / bandwidth:6.1f}%")
-        del w, x
+        us = _time_us(lambda: torch.nn.functional.linear(x, w), reps)
+        gbs = w.numel() * 2 / (us * 1e-6)
+        line = f"{name:8} {n:>6}x{k:<6} {us:8.1f} {gbs / 1e9:6.0f} {100 * gbs / bandwidth:6.1f}%"
+        try:
+            q = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+            scale = torch.rand(n, device="cuda", dtype=torch.bfloat16)
+            us8 = _time_us(lambda: torch._weight_int8pack_mm(x, q, scale), reps)
+            gbs8 = q.numel() / (us8 * 1e-6)
+            line += f" {us8:11.1f} {gbs8 / 1e9:6.0f} {100 * gbs8 / bandwidth:6.1f}%"
+        except Exception as exc:  # not built for CUDA in this torch
+            line += f" int8pack: {type(exc).__name__}: {str(exc)[:60]}"
+        print(line)
 
 
 def _graph_skips() -> int:
@@ -185,9 +202,10 @@ def run_job(size: str, options: Any, args: argparse.Namespace, state: Dict[str, 
     engine = state["engine"]
     dec = engine.decoder
     torch._dynamo.reset()
+    skips = _graph_skips()
     dec.set_options(options)
     if args.device == "cuda":
-        dec.compile_step(cuda_graph=True)
+        dec.compile_step(cuda_graph=not args.no_graph)
     ids = torch.randint(0, SIZES[size]["vocab_size"], (1, args.prompt), device=args.device)
     t0 = time.perf_counter()
     engine.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)  # compile + capture
@@ -195,7 +213,7 @@ def run_job(size: str, options: Any, args: argparse.Namespace, state: Dict[str, 
     row.update(time_generate(engine, ids, args.new, args.device))
     inputs = step_inputs(dec, 1, args.prompt, args.device)
     row.update(time_steps(dec, inputs, args.steps, args.device))
-    row["graph_skips"] = _graph_skips() if args.device == "cuda" else "-"
+    row["graph_skips"] = _graph_skips() - skips if args.device == "cuda" else "-"
     if bandwidth:
         bound_ms = state["weight_bytes"] / bandwidth * 1000
         row.update(bound_ms=bound_ms, step_of_bound=bound_ms / row["step_ms"],
@@ -232,6 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=100, help="steps timed in (a)")
     p.add_argument("--budget", type=float, default=210.0, help="seconds; later jobs are skipped")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--no-graph", action="store_true", help="compile the step without CUDA graphs")
     args = p.parse_args(argv)
     start = time.perf_counter()
     bandwidth = copy_bandwidth(torch, args.device)
