@@ -42,7 +42,8 @@ def test_presets_parse_and_fit_their_budget_roughly():
     for name, units in bench.PRESETS.items():
         for unit in units:
             bench.parse_unit(unit)
-        total = sum(bench.estimate_s(u) for u in units)
+        assert "ds_inject" in units[-1]  # last: it may JIT-build DeepSpeed's ops before failing
+        total = sum(bench.estimate_s(u) for u in units[:-1])
         assert total < 600, (name, total)  # one device call; the tail is cut by --budget if slow
     covered = {(s, v, b) for units in bench.PRESETS.values() for u in units
                for s, vs, bs in [bench.parse_unit(u)] for v in vs for b in bs}
