@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's shardwise
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _infer_measure import SIZES, build_model, copy_bandwidth  # noqa: E402
 
@@ -255,8 +256,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     start = time.perf_counter()
     bandwidth = copy_bandwidth(torch, args.device)
     if bandwidth:
+        import shardwise
         print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, torch {torch.__version__}, "
-              f"{torch.cuda.get_device_name()}", flush=True)
+              f"{torch.cuda.get_device_name()}, shardwise from {Path(shardwise.__file__).parent}",
+              flush=True)
     rows: List[Dict[str, Any]] = []
     state: Dict[str, Any] = {}
     for n, job in enumerate(args.jobs.split(",")):

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's shardwise
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _child_run import tok_s_ratio  # noqa: E402,F401  (the tests read it here)
 from _infer_measure import SIZES, build_model, copy_bandwidth, run_unit  # noqa: E402,F401
