@@ -117,14 +117,14 @@ def _kind(name: str) -> str:
 def profile_steps(dec: Any, inputs: tuple, steps: int = 20) -> Dict[str, Any]:
     """(d): the top-15 CUDA kernels of ``steps`` decode steps and the GEMV/attention/other shares."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             dec.run_step(*inputs)
         torch.cuda.synchronize()
     kernels: Dict[str, List[float]] = {}
     for evt in prof.events():
-        if evt.device_type.name == "CUDA" and evt.device_time > 0:
-            kernels.setdefault(evt.name, []).append(evt.device_time)
+        if evt.device_type.name == "CUDA" and evt.device_time_total > 0:
+            kernels.setdefault(evt.name, []).append(evt.device_time_total)
     total = sum(sum(v) for v in kernels.values()) or 1.0
     shares: Dict[str, float] = {"gemv": 0.0, "attention": 0.0, "other": 0.0}
     for name, times in kernels.items():
@@ -220,8 +220,12 @@ def run_job(size: str, options: Any, args: argparse.Namespace, state: Dict[str, 
         row.update(bound_ms=bound_ms, step_of_bound=bound_ms / row["step_ms"],
                    loop_of_bound=bound_ms / row["loop_ms_per_token"])
     if first and args.device == "cuda":
-        row.update(profile_steps(dec, inputs))
-        gemv_bandwidth(size, bandwidth)
+        for what in (lambda: row.update(profile_steps(dec, inputs)),
+                     lambda: gemv_bandwidth(size, bandwidth)):
+            try:
+                what()
+            except Exception as exc:  # a diagnostic that fails must not cost the timings
+                print(f"(d) failed: {type(exc).__name__}: {exc}", flush=True)
     return row
 
 
