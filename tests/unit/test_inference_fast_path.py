@@ -182,10 +182,13 @@ def test_reduction_forms_equal_sdpa_and_linear():
 
 
 def _math_chunks(q, k, v, bias, scale):
-    """(output, log-sum-exp) per block, as the efficient kernel returns them (fully masked: NaN)."""
+    """(output, log-sum-exp) per block in the efficient kernel's layouts: the output a
+    transposed (B, M, H, D) buffer, the log-sum-exp padded to 32 rows; fully masked: NaN."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale + bias.float()
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.softmax(scores, dim=-1) @ v.float(), lse
+    out = (torch.softmax(scores, dim=-1) @ v.float()).transpose(1, 2).contiguous().transpose(1, 2)
+    lse = torch.full((*scores.shape[:2], 32), float("nan"))
+    lse[..., :scores.shape[2]] = torch.logsumexp(scores, dim=-1)
+    return out, lse[..., :scores.shape[2]]
 
 
 def test_split_kv_attention_combines_blocks_exactly():
