@@ -48,16 +48,13 @@ def test_bf16_and_int8_run_compiled():
                                      "gemv=reduction+attention=split"])
 def test_decode_options_give_hf_tokens_fp32(options):
     """Every DecodeOptions alternative of the compiled step (decode_probe compares their speed)."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from decode_probe import parse_options
+    from shardwise.inference.decode import DecodeOptions
     torch.backends.cuda.matmul.allow_tf32 = False
     m = tiny("llama").cuda()
     eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", replace_with_kernel_inject=True,
                                    max_out_tokens=64)
     torch._dynamo.reset()
-    eng.decoder.set_options(parse_options(options))
+    eng.decoder.set_options(DecodeOptions.parse(options))
     eng.decoder.compile_step(cuda_graph=True)
     for batch in (1, 3):
         ids, mask = _cuda(batch)
