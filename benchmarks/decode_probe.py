@@ -1,7 +1,8 @@
 """Where the batch-1 decode step's time goes: one process, random-init Llama, bf16, one GPU.
 
 For each job (``SIZE:OPTIONS``, OPTIONS a ``+``-joined list of ``DecodeOptions`` settings
-or ``base``) it compiles shardwise's kernel-injected decode step and reports:
+or ``base``; SIZE ``7b-int8`` for weight-only int8, whose "bound" stays the bf16 one) it
+compiles shardwise's kernel-injected decode step and reports:
 
   (a) the step alone: CUDA events over ``--steps`` back-to-back calls with fixed inputs (the
       CUDA-graph replay plus its few input copies; the host time per call next to it shows
@@ -190,16 +191,18 @@ def run_job(size: str, options: Any, args: argparse.Namespace, state: Dict[str, 
             first: bool, bandwidth: Optional[float]) -> Dict[str, Any]:
     """Build (or reuse) the engine of ``size``, compile with ``options``, measure (a) and (b)."""
     import shardwise
-    if state.get("size") != size:
+    model_key, size = size, size.removesuffix("-int8")  # "7b-int8": weight-only int8
+    if state.get("size") != model_key:
         state.clear()
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
         model = build_model(torch, size, args.device)
+        state["weight_bytes"] = sum(p.numel() * 2 for p in model.parameters())  # bf16 bytes
         dtype = "bf16" if args.device == "cuda" else "fp32"
-        state.update(size=size, engine=shardwise.init_inference(
+        dtype = "int8" if model_key.endswith("-int8") else dtype
+        state.update(size=model_key, engine=shardwise.init_inference(
             model, dtype=dtype, replace_with_kernel_inject=True, max_out_tokens=args.prompt + args.new))
-        state["weight_bytes"] = sum(p.numel() * 2 for p in model.parameters())
     engine = state["engine"]
     dec = engine.decoder
     torch._dynamo.reset()
@@ -269,7 +272,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for n, job in enumerate(args.jobs.split(",")):
         size, _, opts = job.partition(":")
         left = args.budget - (time.perf_counter() - start)
-        if left < JOB_ESTIMATE_S.get(size, 60) * (1.5 if state.get("size") != size else 1.0):
+        guess = JOB_ESTIMATE_S.get(size.removesuffix("-int8"), 60)
+        if left < guess * (1.5 if state.get("size") != size else 1.0):
             rows.append({"job": job, "error": f"skipped: {left:.0f} s of the budget left"})
             continue
         try:
