@@ -127,6 +127,11 @@ def measure_batch(torch: Any, engine: Any, variant: str, size: str, batch: int, 
     return row
 
 
+def _note(exc: BaseException) -> str:
+    """The exception as one line (DeepSpeed's messages span lines), for a row's error note."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
+
+
 def _emit(row: Dict[str, Any]) -> None:
     print("ROW " + json.dumps(row), flush=True)
 
@@ -156,7 +161,7 @@ def run_unit(size: str, variants: List[str], batches: List[int], args: Any) -> N
                              weight_bytes_own=_stored_bytes(engine.module))
         except Exception as exc:  # DeepSpeed injection: the exact error is the row's note
             for batch in batches:
-                _emit({**base, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                _emit({**base, "batch": batch, "error": _note(exc)})
             continue
         setup_s = build_s + time.perf_counter() - t1
         for batch in batches:
@@ -164,7 +169,7 @@ def run_unit(size: str, variants: List[str], batches: List[int], args: Any) -> N
             try:
                 row.update(measure_batch(torch, engine, variant, size, batch, args, setup_s))
             except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                row["error"] = _note(exc)
             row.update(extra, weight_bytes=bf16_bytes)
             if args.decode and variant in ("sw_inject", "sw_int8"):
                 row["decode"] = args.decode
