@@ -52,8 +52,9 @@ class DecodeOptions:
     attention: str = "sdpa"
     """Decode attention: "sdpa" (``F.scaled_dot_product_attention`` with a mask: one block of
     the efficient kernel per KV head), "split" (flash-decoding: the cache in 64-key blocks
-    through the same kernel, combined by their log-sum-exp; ``layers.split_kv_attention``)
-    or "reduction" (q.k, softmax and p.v as reductions over the cache, fp32 accumulation)."""
+    through the same kernel, combined by their log-sum-exp; ``layers.split_kv_attention``;
+    only while batch x KV heads < 2 x the SM count, beyond that "sdpa" fills the GPU) or
+    "reduction" (q.k, softmax and p.v as reductions over the cache, fp32 accumulation)."""
     coordinate_descent: bool = True
     """inductor's ``coordinate_descent_tuning`` (gpt-fast's setting) for the step's kernels."""
 
@@ -125,6 +126,7 @@ class Block(nn.Module):
         self.scale = spec.attn_scale
         self.prescale_q = spec.prescale_q
         self.decode_attention = "sdpa"  # DecodeOptions.attention (CUDA decode steps)
+        self.split_below = 0  # "split" only while batch x KV heads is under this (2 blocks per SM)
         self.qkv = self._qkv(spec, layer, plan)
         self.o = row_parallel(layer.o, plan.chunk(spec.n_heads * spec.head_dim) if plan.active else None, plan)
         if layer.gate is not None:
@@ -189,7 +191,8 @@ class Block(nn.Module):
         else:  # decode, GQA without copying K/V: a KV head's G query heads become G query rows
             q = q.reshape(b, self.kv_heads, g * t, self.head_dim)
             kind = self.decode_attention if q.is_cuda else "sdpa"
-            if kind == "split" and keys.shape[2] % SPLIT_KV_CHUNK == 0:
+            splits = keys.shape[2] % SPLIT_KV_CHUNK == 0 and b * self.kv_heads < self.split_below
+            if kind == "split" and splits:
                 out = split_kv_attention(q, keys, values, mask, scale)
             elif kind == "reduction" and torch.compiler.is_compiling():
                 out = reduction_attention(q, keys, values, mask, scale)
@@ -312,11 +315,15 @@ class FastDecoder(nn.Module):
     def set_options(self, options: DecodeOptions) -> None:
         """Use ``options`` for the next ``compile_step`` (the layers read them at trace time)."""
         self.options = options
+        sms = torch.cuda.get_device_properties(self.embed.weight.device).multi_processor_count \
+            if self.embed.weight.is_cuda else 0
         for module in self.modules():
             if isinstance(module, Proj):
                 module.reduce_gemv = options.gemv == "reduction"
             elif isinstance(module, Block):
                 module.decode_attention = options.attention
+                # splitting the cache pays while the plain kernel has under 2 blocks per SM
+                module.split_below = 2 * sms
 
     def compile_step(self, cuda_graph: bool) -> None:
         """Compile ``step`` (fullgraph); with ``cuda_graph`` its replays are CUDA graphs."""
