@@ -89,3 +89,21 @@ def test_targets_say_met_or_not():
     assert "1.54x  met" in lines  # vs HF static
     assert "1.50x  NOT met" in lines  # int8 over bf16 (target 1.6x)
     assert "50.0  met (first token 20.0 ms once warm)" in lines
+
+
+def test_a_unit_measures_each_variant_and_batch_on_cpu(capsys):
+    import argparse
+    import json
+    bench = _bench()
+    import os
+    args = argparse.Namespace(prompt=8, new=3, device="cpu", repeats=1, decode="")
+    saved = dict(os.environ)  # the unit sets RANK/WORLD_SIZE defaults for DeepSpeed
+    try:
+        bench.run_unit("tiny", ["hf_eager", "sw_inject"], [1, 2], args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if line.startswith("ROW ")]
+    assert [(r["variant"], r["batch"]) for r in rows] == [("hf_eager", 1), ("hf_eager", 2),
+                                                          ("sw_inject", 1), ("sw_inject", 2)]
+    assert all(r["tok_s"] > 0 and r["cold_start_s"] > 0 and "error" not in r for r in rows)
