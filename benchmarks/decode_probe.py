@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _infer_measure import SIZES, build_model, copy_bandwidth  # noqa: E402
 
 DEFAULT_JOBS = ("7b:base,7b:attention=split,7b:gemv=reduction,1.1b:base,1.1b:attention=split,"
-                "7b:gemv=reduction+attention=split,7b:attention=reduction")
+                "7b:gemv=reduction+attention=split,7b:max_autotune=true,7b:attention=reduction")
 #: a rough cost of one job (build + compile + measure), to decide whether it fits the budget
 JOB_ESTIMATE_S = {"tiny": 5, "1.1b": 40, "7b": 55}
 

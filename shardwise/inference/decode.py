@@ -57,6 +57,9 @@ class DecodeOptions:
     "reduction" (q.k, softmax and p.v as reductions over the cache, fp32 accumulation)."""
     coordinate_descent: bool = True
     """inductor's ``coordinate_descent_tuning`` (gpt-fast's setting) for the step's kernels."""
+    max_autotune: bool = False
+    """inductor's ``max_autotune``: each matmul shape benchmarked against Triton templates
+    (cuBLAS is one of the choices); longer compile."""
 
     @classmethod
     def parse(cls, text: str) -> "DecodeOptions":
@@ -329,7 +332,7 @@ class FastDecoder(nn.Module):
         """Compile ``step`` (fullgraph); with ``cuda_graph`` its replays are CUDA graphs."""
         options = {"triton.cudagraphs": bool(cuda_graph),
                    "coordinate_descent_tuning": self.options.coordinate_descent,
-                   "epilogue_fusion": True}
+                   "max_autotune": self.options.max_autotune, "epilogue_fusion": True}
         self._step = torch.compile(self.step, fullgraph=True, dynamic=False, options=options)
         self._graphs = bool(cuda_graph)
 

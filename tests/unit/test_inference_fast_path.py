@@ -213,3 +213,16 @@ def test_decode_options_parse_the_probe_names():
     assert DecodeOptions.parse("base") == DecodeOptions()
     with pytest.raises(ConfigError, match="unknown setting 'gemm'"):
         DecodeOptions.parse("gemm=reduction")
+
+
+def test_max_autotune_option_reaches_the_compile_options(monkeypatch):
+    from shardwise.inference.decode import DecodeOptions
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.update(kw) or fn)
+    eng = shardwise.init_inference(tiny("llama"), dtype="fp32", replace_with_kernel_inject=True,
+                                   max_out_tokens=32)
+    eng.decoder.set_options(DecodeOptions.parse("max_autotune=true+coordinate_descent=false"))
+    eng.decoder.compile_step(cuda_graph=True)
+    assert seen["options"]["max_autotune"] is True
+    assert seen["options"]["coordinate_descent_tuning"] is False
+    assert seen["options"]["triton.cudagraphs"] is True and seen["fullgraph"] is True
