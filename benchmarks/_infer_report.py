@@ -44,6 +44,9 @@ def print_tables(rows: List[Dict[str, Any]]) -> None:
               f"{tok_s_ratio(rows, r, 'ds'):>12} {tok_s_ratio(rows, r, 'sw_inject'):>12}")
     print("(vs sw inject of the int8 row = int8 over our bf16; HBM% = sequence tokens/s over "
           "copy bandwidth / bf16 weight bytes; cold = build + engine + first generate)")
+    options = sorted({(r["size"], r["variant"], r["decode"]) for r in rows if r.get("decode")})
+    for size, variant, decode in options:
+        print(f"{size} {LABELS[variant]}: decode step with DecodeOptions {decode}")
 
 
 def print_int8_accuracy(rows: List[Dict[str, Any]]) -> None:
