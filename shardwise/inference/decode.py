@@ -19,7 +19,8 @@ plain model's ``generate`` on CPU in fp32.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +29,58 @@ from torch import nn
 from shardwise.errors import ConfigError
 
 from .arch import DecoderSpec, LayerSpec
-from .layers import Proj, column_parallel, head_rows, row_parallel
+from .layers import (SPLIT_KV_CHUNK, Proj, column_parallel, head_rows, reduction_attention,
+                     row_parallel, split_kv_attention)
 from .tp import TPPlan
 
 ROUND = 128  # cache lengths are rounded up to this, so few shapes get compiled
+EOS_LAG = 4  # with EOS / stopping criteria, the host looks at "all finished" this many steps late
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How the compiled decode step is built (``benchmarks/decode_probe.py`` compares them).
+
+    Only the compiled CUDA step reads ``gemv`` and ``attention``; eager and CPU runs use
+    ``F.linear`` and SDPA whatever they say, so tokens do not depend on them there.
+    """
+
+    gemv: str = "cublas"
+    """Projections of a decode step with at most ``quant.GEMV_ROWS`` rows: "cublas"
+    (``F.linear``, a cuBLAS GEMV) or "reduction" (multiply + sum, which inductor turns into one
+    Triton reduction with the neighbouring elementwise ops fused into it)."""
+    attention: str = "sdpa"
+    """Decode attention: "sdpa" (``F.scaled_dot_product_attention`` with a mask: one block of
+    the efficient kernel per KV head), "split" (flash-decoding: the cache in 64-key blocks
+    through the same kernel, combined by their log-sum-exp; ``layers.split_kv_attention``;
+    only while batch x KV heads < 2 x the SM count, beyond that "sdpa" fills the GPU) or
+    "reduction" (q.k, softmax and p.v as reductions over the cache, fp32 accumulation)."""
+    coordinate_descent: bool = True
+    """inductor's ``coordinate_descent_tuning`` (gpt-fast's setting) for the step's kernels."""
+    max_autotune: bool = False
+    """inductor's ``max_autotune``: each matmul shape benchmarked against Triton templates
+    (cuBLAS is one of the choices); longer compile."""
+
+    @classmethod
+    def parse(cls, text: str) -> "DecodeOptions":
+        """``"gemv=reduction+attention=split"`` (``"base"`` or "": the defaults)."""
+        kwargs: Dict[str, Any] = {}
+        for item in filter(None, text.split("+")):
+            if item == "base":
+                continue
+            key, _, value = item.partition("=")
+            if key not in cls.__dataclass_fields__:
+                raise ConfigError(f"DecodeOptions: unknown setting {key!r} in {text!r}; known: "
+                                  f"{', '.join(cls.__dataclass_fields__)}.")
+            kwargs[key] = {"true": True, "false": False}.get(value.lower(), value)
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("gemv", ("cublas", "reduction")),
+                              ("attention", ("sdpa", "split", "reduction"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"DecodeOptions.{name} = {getattr(self, name)!r}; expected one of "
+                                  f"{', '.join(allowed)}.")
 
 
 class StaticCache(nn.Module):
@@ -89,6 +138,8 @@ class Block(nn.Module):
         self.pre_norm, self.parallel = spec.pre_norm, spec.parallel_residual
         self.scale = spec.attn_scale
         self.prescale_q = spec.prescale_q
+        self.decode_attention = "sdpa"  # DecodeOptions.attention (CUDA decode steps)
+        self.split_below = 0  # "split" only while batch x KV heads is under this (2 blocks per SM)
         self.qkv = self._qkv(spec, layer, plan)
         self.o = row_parallel(layer.o, plan.chunk(spec.n_heads * spec.head_dim) if plan.active else None, plan)
         if layer.gate is not None:
@@ -152,7 +203,14 @@ class Block(nn.Module):
                                                  is_causal=mask is None and t > 1)
         else:  # decode, GQA without copying K/V: a KV head's G query heads become G query rows
             q = q.reshape(b, self.kv_heads, g * t, self.head_dim)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+            kind = self.decode_attention if q.is_cuda else "sdpa"
+            splits = keys.shape[2] % SPLIT_KV_CHUNK == 0 and b * self.kv_heads < self.split_below
+            if kind == "split" and splits:
+                out = split_kv_attention(q, keys, values, mask, scale)
+            elif kind == "reduction" and torch.compiler.is_compiling():
+                out = reduction_attention(q, keys, values, mask, scale)
+            else:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         out = out.reshape(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
         return self.o(out)
 
@@ -186,20 +244,23 @@ class FastDecoder(nn.Module):
         self.cache: Optional[StaticCache] = None
         self.kv_offload = False
         """Keep the cache in pinned host memory (``kv_offload.OffloadedKVCache``)."""
-        self._rope_table: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        # the rotary tables over every cache position, built once; buffers, so a CUDA graph
+        # reads them in place (a plain tensor attribute would be copied in before every replay)
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+        self.options = DecodeOptions()
         self._step: Callable = self.step
+        self._graphs = False
 
     # --- pieces --------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor, x: torch.Tensor):
         if self.spec.rotary is None:
             return None
-        if self._rope_table is None or self._rope_table[0].dtype != x.dtype \
-                or self._rope_table[0].device != x.device:
+        if self.rope_cos is None or self.rope_cos.dtype != x.dtype or self.rope_cos.device != x.device:
             ids = torch.arange(self.max_tokens, device=x.device)[None]
             cos, sin = self.spec.rotary(x, ids)
-            self._rope_table = (cos[0], sin[0])
-        cos, sin = self._rope_table
-        return cos[positions], sin[positions]
+            self.rope_cos, self.rope_sin = cos[0].contiguous(), sin[0].contiguous()
+        return self.rope_cos[positions], self.rope_sin[positions]
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -263,7 +324,7 @@ class FastDecoder(nn.Module):
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, positions: torch.Tensor,
              key_mask: torch.Tensor) -> torch.Tensor:
-        """One token per sequence at cache index ``pos``; fixed shapes. Returns (B, V) logits."""
+        """One token per sequence at cache index ``pos``; fixed shapes. Returns (B, V) fp32 logits."""
         length = key_mask.shape[-1]
         visible = key_mask & (torch.arange(length, device=ids.device) <= pos)
         mask = self._group_rows(visible[:, None, None, :])
@@ -275,19 +336,34 @@ class FastDecoder(nn.Module):
             x = block(x, rope, cache.kv(i), pos, mask)
             cache.written(i)
         cache.end_pass()
-        return self._logits(x)[:, -1]
+        return self._logits(x)[:, -1].float()  # the cast fused into the graph, not a launch more
+
+    def set_options(self, options: DecodeOptions) -> None:
+        """Use ``options`` for the next ``compile_step`` (the layers read them at trace time)."""
+        self.options = options
+        sms = torch.cuda.get_device_properties(self.embed.weight.device).multi_processor_count \
+            if self.embed.weight.is_cuda else 0
+        for module in self.modules():
+            if isinstance(module, Proj):
+                module.reduce_gemv = options.gemv == "reduction"
+            elif isinstance(module, Block):
+                module.decode_attention = options.attention
+                # splitting the cache pays while the plain kernel has under 2 blocks per SM
+                module.split_below = 2 * sms
 
     def compile_step(self, cuda_graph: bool) -> None:
         """Compile ``step`` (fullgraph); with ``cuda_graph`` its replays are CUDA graphs."""
-        options = {"triton.cudagraphs": bool(cuda_graph), "coordinate_descent_tuning": True,
-                   "epilogue_fusion": True}
+        options = {"triton.cudagraphs": bool(cuda_graph),
+                   "coordinate_descent_tuning": self.options.coordinate_descent,
+                   "max_autotune": self.options.max_autotune, "epilogue_fusion": True}
         self._step = torch.compile(self.step, fullgraph=True, dynamic=False, options=options)
         self._graphs = bool(cuda_graph)
 
     def run_step(self, ids, pos, positions, key_mask) -> torch.Tensor:
-        if getattr(self, "_graphs", False):
+        """The (compiled) step. Under CUDA graphs the logits live in the graph's memory and are
+        valid until the next call: the loop consumes them first, so no copy is made."""
+        if self._graphs:
             torch.compiler.cudagraph_mark_step_begin()
-            return self._step(ids, pos, positions, key_mask).clone()
         return self._step(ids, pos, positions, key_mask)
 
 
@@ -301,11 +377,58 @@ def hf_positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
+class FinishWatch:
+    """When every row has finished (EOS or stopping criteria), without a host sync per token.
+
+    On CUDA each step's "any row unfinished" flag is copied to pinned host memory
+    asynchronously; the host reads it once the copy has landed, at most ``EOS_LAG`` steps
+    later, so it keeps queuing steps ahead of the GPU. The answer is still exact: the first
+    step whose flag says "all finished" ends the output, as in Hugging Face's ``generate``
+    (the few extra steps computed meanwhile are cut off). ``exact=True`` (a streamer, which
+    must not see the extra steps; or CPU) reads every flag at once.
+    """
+
+    def __init__(self, device: torch.device, exact: bool) -> None:
+        self.lazy = device.type == "cuda" and not exact
+        self.pending: List[Tuple[int, Any, int]] = []
+        if self.lazy:
+            self.flags = torch.zeros(EOS_LAG + 2, dtype=torch.bool, pin_memory=True)
+
+    def push(self, step: int, unfinished: torch.Tensor) -> Optional[int]:
+        """Record step ``step``'s flags; the number of steps to keep, once all rows are known done."""
+        if not self.lazy:
+            return None if bool(unfinished.any()) else step + 1
+        slot = step % self.flags.numel()
+        self.flags[slot].copy_(unfinished.any(), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((step, event, slot))
+        return self._read(block=len(self.pending) > EOS_LAG)
+
+    def drain(self) -> Optional[int]:
+        """Read every pending flag (the end of the loop)."""
+        return self._read(block=True, everything=True) if self.lazy else None
+
+    def _read(self, block: bool, everything: bool = False) -> Optional[int]:
+        while self.pending and (block or self.pending[0][1].query()):
+            step, event, slot = self.pending.pop(0)
+            event.synchronize()
+            if not bool(self.flags[slot]):
+                self.pending.clear()
+                return step + 1
+            block = everything
+        return None
+
+
 @torch.no_grad()
 def decode_loop(dec: FastDecoder, ids: torch.Tensor, mask: torch.Tensor, max_new: int,
                 pick: Picker, cache_dtype: torch.dtype, eos: Optional[torch.Tensor] = None,
                 pad: int = 0, stopping: Any = None, streamer: Any = None) -> torch.Tensor:
-    """Prefill ``ids`` then generate up to ``max_new`` tokens; returns (B, T + generated)."""
+    """Prefill ``ids`` then generate up to ``max_new`` tokens; returns (B, T + generated).
+
+    No host sync per token: positions advance on the device, and with EOS / stopping
+    criteria ``FinishWatch`` reads "all finished" a few steps late (exactly, see there).
+    """
     b, t = ids.shape
     length = dec.ensure_cache(b, t + max_new, cache_dtype, ids.device)
     positions = hf_positions(mask)
@@ -318,9 +441,10 @@ def decode_loop(dec: FastDecoder, ids: torch.Tensor, mask: torch.Tensor, max_new
     pos = torch.tensor([t], device=ids.device)
     unfinished = torch.ones(b, dtype=torch.bool, device=ids.device)
     watch = eos is not None or stopping is not None
+    finish = FinishWatch(ids.device, exact=streamer is not None)
     if streamer is not None:
         streamer.put(ids.cpu())
-    done = 0
+    done: Optional[int] = None
     for i in range(max_new):
         if i > 0:
             logits = dec.run_step(tok, pos, next_pos, key_mask)
@@ -332,7 +456,6 @@ def decode_loop(dec: FastDecoder, ids: torch.Tensor, mask: torch.Tensor, max_new
             new = torch.where(unfinished, new, torch.full_like(new, pad))
         seq[:, t + i] = new
         tok = new[:, None]
-        done = i + 1
         if streamer is not None:
             streamer.put(new.cpu())
         if watch:
@@ -340,8 +463,11 @@ def decode_loop(dec: FastDecoder, ids: torch.Tensor, mask: torch.Tensor, max_new
                 unfinished &= ~torch.isin(new, eos)
             if stopping is not None:
                 unfinished &= ~stopping(seq[:, :t + i + 1], scores)
-            if not bool(unfinished.any()):
+            done = finish.push(i, unfinished)
+            if done is not None:
                 break
+    if done is None and watch:
+        done = finish.drain()
     if streamer is not None:
         streamer.end()
-    return seq[:, :t + done]
+    return seq[:, :t + (max_new if done is None else done)]

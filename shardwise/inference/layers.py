@@ -11,14 +11,14 @@ columns (row-parallel) and points the module at those, so each rank holds its sh
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .arch import Linear
-from .quant import int8_linear
+from .quant import GEMV_ROWS, gemv, int8_linear
 from .tp import TPPlan, all_reduce
 
 
@@ -32,10 +32,15 @@ class Proj(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.plan = plan  # set for row-parallel layers: all-reduce, then add the bias
+        self.reduce_gemv = False  # DecodeOptions.gemv == "reduction" (compiled CUDA decode step)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias_now = None if self.plan is not None else self.bias
-        if self.scale is None:
+        if self.scale is None and self.reduce_gemv and x.is_cuda and torch.compiler.is_compiling() \
+                and x.numel() // x.shape[-1] <= GEMV_ROWS:
+            y = gemv(x, self.weight)
+            y = y if bias_now is None else y + bias_now
+        elif self.scale is None:
             y = F.linear(x, self.weight, bias_now)
         else:
             y = int8_linear(x, self.weight, self.scale, bias_now)
@@ -113,3 +118,56 @@ def head_rows(n_heads: int, head_dim: int, plan: TPPlan, offset: int = 0,
     first, last = plan.chunk(n_heads)
     unit = per_head * head_dim
     return [(offset + first * unit, offset + last * unit)]
+
+
+def reduction_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: Optional[float]) -> torch.Tensor:
+    """Decode attention as reductions: q (B, H, G, D) over k/v (B, H, S, D), bool mask (B, 1, G, S).
+
+    Written for inductor (compiled step only): q.k is a reduction over D with B*H*G*S rows,
+    so the cache length is spread over many blocks instead of one block per head; softmax
+    and p.v follow in fp32. Every row must have a visible key (decode: its own position).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.unsqueeze(-2).float() * k.unsqueeze(-3).float()).sum(-1) * scale  # (B, H, G, S)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    out = (probs.unsqueeze(-1) * v.unsqueeze(-3).float()).sum(-2)  # (B, H, G, D)
+    return out.to(q.dtype)
+
+
+#: keys per block of ``split_kv_attention`` (one key block of the efficient kernel at D = 128)
+SPLIT_KV_CHUNK = 64
+
+
+def efficient_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     scale: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp) of PyTorch's memory-efficient attention kernel (CUDA)."""
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, scale=scale)[:2]
+    return out, lse[..., :q.shape[2]]  # the kernel pads the log-sum-exp rows to 32
+
+
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: Optional[float], chunk: int = SPLIT_KV_CHUNK,
+                       chunks_fn: Callable = efficient_chunks) -> torch.Tensor:
+    """Flash-decoding with PyTorch's own kernel: q (B, H, G, D) over k/v (B, H, S, D).
+
+    The cache is cut into S / ``chunk`` blocks that attend in parallel (one kernel launch over
+    B * H * S / chunk blocks instead of B * H), each returning its log-sum-exp; the blocks
+    are then combined exactly (softmax rescaling). ``mask`` is bool (B, 1, G, S); a block
+    with no visible key contributes nothing. ``S`` must be a multiple of ``chunk``.
+    """
+    b, h, g, d = q.shape
+    s = k.shape[2]
+    n = s // chunk
+    kc, vc = k.reshape(b, h * n, chunk, d), v.reshape(b, h * n, chunk, d)
+    qc = q.unsqueeze(2).expand(b, h, n, g, d).reshape(b, h * n, g, d)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    bias = bias.view(b, 1, g, n, chunk).transpose(2, 3).expand(b, h, n, g, chunk)
+    out, lse = chunks_fn(qc, kc, vc, bias.reshape(b, h * n, g, chunk).contiguous(), scale)
+    # the kernel's output is a transposed view and its log-sum-exp a slice: reshape, not view
+    out = torch.nan_to_num(out.float().reshape(b, h, n, g, d))  # a fully masked block: no weight
+    lse = torch.nan_to_num(lse.float().reshape(b, h, n, g), nan=float("-inf"))
+    weight = torch.exp(lse - lse.amax(dim=2, keepdim=True))  # (B, H, n, G)
+    out = (weight.unsqueeze(-1) * out).sum(2) / weight.sum(2).unsqueeze(-1)
+    return out.to(q.dtype)

@@ -45,10 +45,19 @@ def quantize_weight(weight: torch.Tensor) -> tuple:
 GEMV_ROWS = 2
 
 
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The reduction form of x @ (weight [* scale]).T, accumulated in fp32 (see int8_linear).
+
+    Under torch.compile the (..., out, in) product is never materialised: inductor emits one
+    reduction kernel that reads each weight element once. Eager, it would be: compiled only.
+    """
+    out = (x.unsqueeze(-2).float() * weight.float()).sum(dim=-1)
+    return (out if scale is None else out * scale.float()).to(x.dtype)
+
+
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The reduction form of x @ (weight * scale).T, accumulated in fp32 (see int8_linear)."""
-    prod = x.unsqueeze(-2).float() * weight.float()  # (..., out, in): fused away by inductor
-    return (prod.sum(dim=-1) * scale.float()).to(x.dtype)
+    """The reduction form of x @ (weight * scale).T for an int8 weight."""
+    return gemv(x, weight, scale)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

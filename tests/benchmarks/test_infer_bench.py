@@ -35,3 +35,75 @@ def test_merge_prints_one_table_from_saved_rows(tmp_path, capsys):
     (tmp_path / "b.json").write_text(json.dumps([dict(row, variant="sw_inject", tok_s=794.8)]))
     assert bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
     assert "2.13x" in capsys.readouterr().out
+
+
+def test_presets_parse_and_fit_their_budget_roughly():
+    bench = _bench()
+    for name, units in bench.PRESETS.items():
+        for unit in units:
+            bench.parse_unit(unit)
+        assert "ds_inject" in units[-1]  # last: it may JIT-build DeepSpeed's ops before failing
+        total = sum(bench.estimate_s(u) for u in units[:-1])
+        assert total < 600, (name, total)  # one device call; the tail is cut by --budget if slow
+    covered = {(s, v, b) for units in bench.PRESETS.values() for u in units
+               for s, vs, bs in [bench.parse_unit(u)] for v in vs for b in bs}
+    for size in ("1.1b", "7b"):  # the comparisons at every batch size
+        for batch in (1, 8, 32):
+            assert {(size, "sw_inject", batch), (size, "hf_static", batch)} <= covered
+    assert ("7b", "sw_int8", 1) in covered and ("7b", "ds", 1) in covered
+
+
+def test_a_cut_off_unit_keeps_its_rows(monkeypatch):
+    import argparse
+    import json
+    import subprocess
+    bench = _bench()
+    done = {"size": "7b", "variant": "sw_inject", "batch": 1, "tok_s": 230.0}
+
+    def fake_run(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, 5, output=("ROW " + json.dumps(done) + "\nnoise\n").encode())
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    args = argparse.Namespace(prompt=512, new=128, device="cuda", repeats=2, decode="")
+    rows = bench.run_unit_process("7b:sw_inject:1,8", args, timeout=5)
+    assert rows[0] == done
+    assert rows[1]["batch"] == 8 and "timeout 5 s" in rows[1]["error"]
+
+
+def test_units_past_the_budget_are_skipped_and_listed(tmp_path, capsys):
+    import json
+    bench = _bench()
+    out = tmp_path / "rows.json"
+    assert bench.main(["--units", "7b:hf_static:1", "--budget", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert rows[0]["variant"] == "hf_static" and rows[0]["error"].startswith("skipped")
+    assert "FAILED: skipped" in capsys.readouterr().out
+
+
+def test_targets_say_met_or_not():
+    bench = _bench()
+    row = {"size": "7b", "batch": 1, "ms_per_token": 1.0, "prefill_ms": 1.0, "cold_start_s": 50.0}
+    rows = [dict(row, variant="sw_inject", tok_s=240.0, hbm_fraction=0.77, first_token_ms=20.0),
+            dict(row, variant="hf_static", tok_s=156.0), dict(row, variant="sw_int8", tok_s=360.0)]
+    lines = "\n".join(bench.target_lines(rows))
+    assert "7b inject B=1 HBM fraction >= 75%" in lines and "77.0%  met" in lines
+    assert "1.54x  met" in lines  # vs HF static
+    assert "1.50x  NOT met" in lines  # int8 over bf16 (target 1.6x)
+    assert "50.0  met (first token 20.0 ms once warm)" in lines
+
+
+def test_a_unit_measures_each_variant_and_batch_on_cpu(capsys):
+    import argparse
+    import json
+    bench = _bench()
+    import os
+    args = argparse.Namespace(prompt=8, new=3, device="cpu", repeats=1, decode="")
+    saved = dict(os.environ)  # the unit sets RANK/WORLD_SIZE defaults for DeepSpeed
+    try:
+        bench.run_unit("tiny", ["hf_eager", "sw_inject"], [1, 2], args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if line.startswith("ROW ")]
+    assert [(r["variant"], r["batch"]) for r in rows] == [("hf_eager", 1), ("hf_eager", 2),
+                                                          ("sw_inject", 1), ("sw_inject", 2)]
+    assert all(r["tok_s"] > 0 and r["cold_start_s"] > 0 and "error" not in r for r in rows)

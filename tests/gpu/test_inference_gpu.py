@@ -42,3 +42,51 @@ def test_bf16_and_int8_run_compiled():
         ref = eager.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
         assert out.shape == ref.shape
         assert (out == ref).float().mean() > 0.8  # bf16 rounding may flip a late token
+
+
+@pytest.mark.parametrize("options", ["gemv=reduction", "attention=split", "attention=reduction",
+                                     "gemv=reduction+attention=split"])
+def test_decode_options_give_hf_tokens_fp32(options):
+    """Every DecodeOptions alternative of the compiled step (decode_probe compares their speed)."""
+    from shardwise.inference.decode import DecodeOptions
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m = tiny("llama").cuda()
+    eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", replace_with_kernel_inject=True,
+                                   max_out_tokens=64)
+    torch._dynamo.reset()
+    eng.decoder.set_options(DecodeOptions.parse(options))
+    eng.decoder.compile_step(cuda_graph=True)
+    for batch in (1, 3):
+        ids, mask = _cuda(batch)
+        ref = m.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=1, eos_token_id=None)
+        out = eng.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=1, eos_token_id=None)
+        assert torch.equal(out, ref), (options, batch)
+
+
+def test_split_kv_attention_with_the_efficient_kernel():
+    from shardwise.inference.layers import split_kv_attention
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 4, 2, 64, device="cuda", generator=g)
+    k = torch.randn(2, 4, 256, 64, device="cuda", generator=g)
+    v = torch.randn(2, 4, 256, 64, device="cuda", generator=g)
+    mask = torch.zeros(2, 1, 2, 256, dtype=torch.bool, device="cuda")
+    mask[0, ..., :70] = True  # blocks 2 and 3 fully masked
+    mask[1, ..., 5:200] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
+    torch.testing.assert_close(split_kv_attention(q, k, v, mask, 0.125), ref, rtol=1e-4, atol=1e-4)
+    out = split_kv_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.125)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_eos_under_cuda_graphs_equals_hf():
+    """EOS is read a few steps late (FinishWatch, no sync per token); the output is still HF's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m = tiny("llama").cuda()
+    eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", replace_with_kernel_inject=True,
+                                   max_out_tokens=64)
+    ids, mask = _cuda(3)
+    free = m.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=1, eos_token_id=None)
+    for eos in {int(free[0, ids.shape[1] + 1]), int(free[2, -1])}:  # early and at the very end
+        ref = m.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=1, eos_token_id=eos)
+        out = eng.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=1, eos_token_id=eos)
+        assert torch.equal(out, ref), eos

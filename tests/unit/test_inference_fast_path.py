@@ -158,3 +158,71 @@ def test_gemma_layout_runs_the_fast_path():
     ref = m.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=1, eos_token_id=None)
     assert torch.equal(eng.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=1,
                                     eos_token_id=None), ref)
+
+
+def test_decode_options_name_the_bad_value():
+    from shardwise.inference.decode import DecodeOptions
+    with pytest.raises(ConfigError, match="attention = 'flash'"):
+        DecodeOptions(attention="flash")
+
+
+def test_reduction_forms_equal_sdpa_and_linear():
+    """The compiled-step alternatives (DecodeOptions "reduction") compute the same values."""
+    from shardwise.inference.layers import reduction_attention
+    from shardwise.inference.quant import gemv
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 16, generator=g)
+    k, v = torch.randn(2, 3, 10, 16, generator=g), torch.randn(2, 3, 10, 16, generator=g)
+    mask = torch.rand(2, 1, 4, 10, generator=g) > 0.4
+    mask[..., 0] = True  # every row sees a key (decode: its own position)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(reduction_attention(q, k, v, mask, 0.3), ref, rtol=1e-5, atol=1e-5)
+    x, w = torch.randn(2, 1, 16, generator=g), torch.randn(24, 16, generator=g)
+    torch.testing.assert_close(gemv(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def _math_chunks(q, k, v, bias, scale):
+    """(output, log-sum-exp) per block in the efficient kernel's layouts: the output a
+    transposed (B, M, H, D) buffer, the log-sum-exp padded to 32 rows; fully masked: NaN."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale + bias.float()
+    out = (torch.softmax(scores, dim=-1) @ v.float()).transpose(1, 2).contiguous().transpose(1, 2)
+    lse = torch.full((*scores.shape[:2], 32), float("nan"))
+    lse[..., :scores.shape[2]] = torch.logsumexp(scores, dim=-1)
+    return out, lse[..., :scores.shape[2]]
+
+
+def test_split_kv_attention_combines_blocks_exactly():
+    """Flash-decoding's block combine equals one attention over the whole cache, including
+    blocks with no visible key (positions past the current one)."""
+    from shardwise.inference.layers import split_kv_attention
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 16, generator=g)
+    k, v = torch.randn(2, 3, 32, 16, generator=g), torch.randn(2, 3, 32, 16, generator=g)
+    mask = torch.zeros(2, 1, 4, 32, dtype=torch.bool)
+    mask[0, ..., :11] = True  # row 0 sees blocks 0-1 (partly), blocks 2-3 are fully masked
+    mask[1, ..., 3:20] = True  # row 1: left padding, then up to its position
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+    out = split_kv_attention(q, k, v, mask, 0.25, chunk=8, chunks_fn=_math_chunks)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_options_parse_the_probe_names():
+    from shardwise.inference.decode import DecodeOptions
+    opts = DecodeOptions.parse("gemv=reduction+attention=split+coordinate_descent=false")
+    assert (opts.gemv, opts.attention, opts.coordinate_descent) == ("reduction", "split", False)
+    assert DecodeOptions.parse("base") == DecodeOptions()
+    with pytest.raises(ConfigError, match="unknown setting 'gemm'"):
+        DecodeOptions.parse("gemm=reduction")
+
+
+def test_max_autotune_option_reaches_the_compile_options(monkeypatch):
+    from shardwise.inference.decode import DecodeOptions
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.update(kw) or fn)
+    eng = shardwise.init_inference(tiny("llama"), dtype="fp32", replace_with_kernel_inject=True,
+                                   max_out_tokens=32)
+    eng.decoder.set_options(DecodeOptions.parse("max_autotune=true+coordinate_descent=false"))
+    eng.decoder.compile_step(cuda_graph=True)
+    assert seen["options"]["max_autotune"] is True
+    assert seen["options"]["coordinate_descent_tuning"] is False
+    assert seen["options"]["triton.cudagraphs"] is True and seen["fullgraph"] is True
