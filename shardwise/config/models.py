@@ -317,6 +317,6 @@ class CompileConfig(ConfigModel):
         if dropped:
             notes.append(f"Config keys {', '.join(f'{path}.{k}' for k in dropped)} are DeepCompile "
                          f"options, accepted with no effect: shardwise has no DeepCompile graph "
-                         f"passes (compile.deepcompile / compile.enabled compile each decoder "
-                         f"layer, with ZeRO's communication around the compiled layers).")
+                         f"passes (the section's deepcompile and enabled keys compile each "
+                         f"decoder layer, with ZeRO's communication around the compiled layers).")
         return {k: v for k, v in raw.items() if k not in dropped}
