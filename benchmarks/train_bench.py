@@ -104,6 +104,8 @@ MATCHING_DS = {
     "sw_z3_offload_dpu": "ds_z3_offload",
     "sw_z2_compile": "ds_z2_compile",
     "sw_z2_compile_module": "ds_z2_compile",
+    "sw_z3_compile": "ds_z3",
+    "sw_z3_offload_dpu_compile": "ds_z3_offload",
     "sw_z2_monitors": "ds_z2",
     "sw_z2_wallclock": "ds_z2",
 }
@@ -362,12 +364,14 @@ FP8_SECTION = {"enabled": True, "recipe": "tensorwise"}
 
 
 def _setup_shardwise_compile(model, batches, cfg, device, granularity: str,
-                             fp8: bool = False) -> StepFn:
+                             fp8: bool = False, zero_key: str = "z2") -> StepFn:
     import shardwise
 
     set_single_process_env()
-    config = engine_config(cfg, ZERO_SECTIONS["z2"])
+    config = engine_config(cfg, ZERO_SECTIONS[zero_key])
     config["compile"] = {"enabled": True, "backend": compile_backend(), "granularity": granularity}
+    if zero_key.startswith("z3"):  # DeepSpeed's key for compiled ZeRO-3 (same effect here)
+        config["compile"] = {"deepcompile": True, "backend": compile_backend()}
     if fp8:
         config["fp8"] = dict(FP8_SECTION)
     engine, _, _, _ = shardwise.initialize(model=model, config=config)
@@ -378,6 +382,19 @@ def _setup_shardwise_compile(model, batches, cfg, device, granularity: str,
 def setup_sw_z2_compile(model, batches, cfg, device) -> StepFn:
     """shardwise ZeRO-2 with "compile": {"enabled": true}: each decoder layer compiled."""
     return _setup_shardwise_compile(model, batches, cfg, device, "blocks")
+
+
+def setup_sw_z3_compile(model, batches, cfg, device) -> StepFn:
+    """shardwise ZeRO-3 with "compile": {"deepcompile": true}: each decoder layer compiled, the
+    stage-3 gathers, prefetches and reduce-scatters around the compiled layers."""
+    return _setup_shardwise_compile(model, batches, cfg, device, "blocks", zero_key="z3")
+
+
+def setup_sw_z3_offload_dpu_compile(model, batches, cfg, device) -> StepFn:
+    """``sw_z3_offload_dpu`` (parameters and optimizer on the host, delayed update) compiled
+    like ``sw_z3_compile``."""
+    return _setup_shardwise_compile(model, batches, cfg, device, "blocks",
+                                    zero_key="z3_offload_dpu")
 
 
 def setup_sw_z2_compile_module(model, batches, cfg, device) -> StepFn:
@@ -468,6 +485,8 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "ds_z2_compile": setup_ds_z2_compile,
     "sw_z2_compile": setup_sw_z2_compile,
     "sw_z2_compile_module": setup_sw_z2_compile_module,
+    "sw_z3_compile": setup_sw_z3_compile,
+    "sw_z3_offload_dpu_compile": setup_sw_z3_offload_dpu_compile,
     "sw_z2_monitors": setup_sw_z2_monitors,
     "sw_z2_wallclock": setup_sw_z2_wallclock,
     "sw_z2_fp8": setup_sw_z2_fp8,
@@ -658,6 +677,11 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         ds = MATCHING_DS.get(r["variant"])
         r["ds_ref"] = ds
         r["x_ds"] = ratio(r["tokens_per_s"], tok.get(ds)) if ds else None
+        # a compiled row against its eager twin and against compiled FSDP2
+        compiled = r["variant"].endswith("_compile")
+        twin = r["variant"].removesuffix("_compile")
+        r["x_eager"] = ratio(r["tokens_per_s"], tok.get(twin)) if compiled else None
+        r["x_fsdp2c"] = ratio(r["tokens_per_s"], tok.get("fsdp2_compile")) if compiled else None
 
 
 def monitor_overhead(results: list[dict[str, Any]]) -> dict[str, float]:
@@ -686,6 +710,8 @@ TABLE_COLUMNS = [
     ("x_torch", "x torch", ".2f"),
     ("x_ddp", "x ddp", ".2f"),
     ("x_ds", "x ds", ".2f"),
+    ("x_eager", "x eager", ".2f"),  # *_compile rows: over the same variant uncompiled
+    ("x_fsdp2c", "x fsdp2_c", ".2f"),  # *_compile rows: over fsdp2_compile
     # Same weights and data everywhere, so a last loss far from torch's flags a broken variant.
     ("loss_last", "last loss", ".4f"),
     ("loss_max_delta", "max |Δloss|", ".4f"),  # filled by --loss-steps
