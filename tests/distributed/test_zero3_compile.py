@@ -156,3 +156,25 @@ def test_compiled_stage3_dpu_trains_like_eager_dpu() -> None:
     check_compiled_run(out)
     assert not mismatches(out["params"], {n: p.float() for n, p in eager["params"].items()})
     assert mismatches(eager["params"], {n: p.detach() for n, p in build().named_parameters()})
+
+
+def test_compiled_parameters_only_stage3_generates_the_plain_tokens() -> None:
+    """No optimizer (ZeRO-Inference's route): the compiled layers under eval()/no_grad give the
+    plain model's greedy tokens, twice (the second run prefetches)."""
+    import shardwise
+    prompt = torch.tensor([[3, 14, 15, 9, 2]])
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+               use_cache=False)  # with a cache each layer index is a graph of its own: slower
+    plain = build().eval()
+    with torch.no_grad():
+        want = plain.generate(prompt, **gen)
+    torch._dynamo.reset()
+    engine, *_ = shardwise.initialize(model=build(), config={
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100},
+        "compile": {"deepcompile": True, "backend": "aot_eager"}})
+    assert engine.is_compiled and engine._compile_result.zero3_units
+    engine.eval()
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(engine.module.generate(prompt, **gen), want)

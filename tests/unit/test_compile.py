@@ -275,6 +275,28 @@ def test_stage3_granularity_module_compiles_blocks_and_cuda_graph_modes_are_swit
     assert sum("CUDA graphs" in w for w in said) == 3
 
 
+def test_a_whole_model_compiled_by_its_user_under_stage3_trains_like_eager() -> None:
+    """torch.compile(engine.module) bypasses the engine's compile: dynamo must not trace the
+    stage-3 hooks (it did, and backward then failed on a weight swapped under it)."""
+    from torch._dynamo.utils import counters
+    eager, *_ = shardwise.initialize(model=_model(), config=_stage3())
+    ref_losses, _ = _train(eager)
+    engine, *_ = shardwise.initialize(model=_model(), config=_stage3())
+    torch._dynamo.reset()
+    compiled = torch.compile(engine.module, backend="aot_eager")
+    breaks = sum(counters["graph_break"].values())
+    losses = []
+    for x, y in _batches(4):
+        loss = compiled(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    assert sum(counters["graph_break"].values()) > breaks  # the hooks ran outside the graphs
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for got, want in zip(_gathered(engine), _gathered(eager)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_stage3_model_without_blocks_stays_eager_with_the_reason() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     engine, *_ = shardwise.initialize(model=model, config={

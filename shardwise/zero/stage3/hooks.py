@@ -148,12 +148,17 @@ class ParamCoordinator:
         """Modules gathered as one piece with everything under them (``set_units``)."""
         self._handles: Dict[int, list] = {}
         """The two hooks of each hooked module (by id)."""
+        # dynamo never traces the hooks (they swap ``param.data``, which a graph cannot
+        # follow): a whole model compiled by its user breaks the graph around each of them and
+        # runs them eagerly; the engine's own compile keeps them outside (``set_units``)
+        self._pre_hook = torch.compiler.disable(self._pre_forward)
+        self._post_hook = torch.compiler.disable(self._post_forward)
         for m in root.modules():
             self._hook(m)
 
     def _hook(self, m: torch.nn.Module) -> None:
-        self._handles[id(m)] = [m.register_forward_pre_hook(self._pre_forward),
-                                m.register_forward_hook(self._post_forward, always_call=True)]
+        self._handles[id(m)] = [m.register_forward_pre_hook(self._pre_hook),
+                                m.register_forward_hook(self._post_hook, always_call=True)]
 
     def set_units(self, units: Sequence[torch.nn.Module]) -> None:
         """Gather each of ``units`` (e.g. the decoder layers that ``torch.compile`` compiles one
