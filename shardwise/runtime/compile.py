@@ -293,8 +293,10 @@ def _zero3_obstacle(module: torch.nn.Module, backend_name: str,
     return None
 
 
-def _without_checkpointed(module: torch.nn.Module,
-                          targets: List[Tuple[str, torch.nn.Module]]) -> List[Tuple[str, torch.nn.Module]]:
+Targets = List[Tuple[str, torch.nn.Module]]
+
+
+def _without_checkpointed(module: torch.nn.Module, targets: Targets) -> Targets:
     """``targets`` but those activation checkpointing wraps (warned once)."""
     checkpointed = [q for q, t in targets if any(hasattr(m, "_shardwise_ac") for m in t.modules())]
     if checkpointed and len(checkpointed) < len(targets):

@@ -213,7 +213,7 @@ def test_engine_compile_flips_is_compiled_and_a_second_call_keeps_the_first() ->
     _train(engine, steps=2)
 
 
-# --- stage 3: each block one compiled region and one gather unit ------------------------------------
+# --- stage 3: each block one compiled region and one gather unit ---------------------------
 def _stage3(**compile_section):
     cfg = _config(3, **compile_section)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every weight partitioned
@@ -230,7 +230,8 @@ def test_stage3_compiles_each_block_forward_with_its_hooks_outside() -> None:
     eager, *_ = shardwise.initialize(model=_model(), config=_stage3())
     ref_losses, _ = _train(eager)
     model = _model()
-    engine, *_ = shardwise.initialize(model=model, config=_stage3(enabled=True, backend="aot_eager"))
+    engine, *_ = shardwise.initialize(model=model,
+                                      config=_stage3(enabled=True, backend="aot_eager"))
     result = engine._compile_result
     assert engine.is_compiled and result.zero3_units and result.granularity == "blocks"
     assert result.compiled == ("layers.0", "layers.1", "layers.2")
@@ -260,7 +261,7 @@ def test_deepcompile_compiles_at_initialize_and_a_later_plain_compile_is_quiet(m
     assert engine._compile_result is first and "already compiled" in said[0]
 
 
-def test_stage3_granularity_module_compiles_blocks_and_cuda_graph_modes_are_switched_off(monkeypatch) -> None:
+def test_stage3_module_granularity_and_cuda_graph_modes_are_switched_off(monkeypatch) -> None:
     from shardwise.runtime import compile_zero3 as Z
     said = []
     monkeypatch.setattr(Z, "warn_once", said.append)
