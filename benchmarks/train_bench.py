@@ -8,6 +8,8 @@ JSON line per variant, prints a table last and writes everything to ``--out``.
     python benchmarks/train_bench.py                                  # all variants, 1.1B, GPU
     python benchmarks/train_bench.py --variants torch,fsdp2,sw_z2 --grad-accum 4
     python benchmarks/train_bench.py --variants fsdp2_compile,ds_z2_compile,sw_z2_compile --timeout 900
+    python benchmarks/train_bench.py --grad-accum 4 --warmup 2 --steps 3 --timeout 240 \
+        --variants fsdp2,fsdp2_compile,ds_z2,ds_z2_compile,sw_z2,sw_z2_compile,sw_z3,sw_z3_compile,sw_z3_offload_dpu,sw_z3_offload_dpu_compile
     python benchmarks/train_bench.py --device cpu --layers 2 --hidden 64 --intermediate 128 \
         --heads 4 --kv-heads 2 --vocab 256 --seq 64 --micro-batch 2 --steps 2 --warmup 1
 
@@ -18,7 +20,10 @@ The ``*_compile`` variants torch.compile the model (``--compile-backend``, induc
 default): FSDP2 and shardwise compile each decoder layer (torchtitan's recipe; shardwise
 through its ``compile`` config section), DeepSpeed compiles the whole model with
 ``engine.compile()`` (what DeepSpeed offers), and ``sw_z2_compile_module`` does the same in
-shardwise for the like-for-like comparison. Compiling happens in the first warm-up step, so
+shardwise for the like-for-like comparison. ``sw_z3_compile`` and ``sw_z3_offload_dpu_compile``
+compile ZeRO-3 with ``"compile": {"deepcompile": true}`` (each layer compiled, the gathers and
+reduce-scatters around it). A compiled row's "x eager" is its tokens/s over its uncompiled
+twin's, "x fsdp2_c" over ``fsdp2_compile``'s. Compiling happens in the first warm-up step, so
 the timed steps exclude it; give ``--timeout`` room for it.
 """
 from __future__ import annotations
