@@ -8,6 +8,8 @@ JSON line per variant, prints a table last and writes everything to ``--out``.
     python benchmarks/train_bench.py                                  # all variants, 1.1B, GPU
     python benchmarks/train_bench.py --variants torch,fsdp2,sw_z2 --grad-accum 4
     python benchmarks/train_bench.py --variants fsdp2_compile,ds_z2_compile,sw_z2_compile --timeout 900
+    python benchmarks/train_bench.py --grad-accum 4 --warmup 2 --steps 3 --timeout 240 \
+        --variants fsdp2,fsdp2_compile,ds_z2,ds_z2_compile,sw_z2,sw_z2_compile,sw_z3,sw_z3_compile,sw_z3_offload_dpu,sw_z3_offload_dpu_compile
     python benchmarks/train_bench.py --device cpu --layers 2 --hidden 64 --intermediate 128 \
         --heads 4 --kv-heads 2 --vocab 256 --seq 64 --micro-batch 2 --steps 2 --warmup 1
 
@@ -18,7 +20,10 @@ The ``*_compile`` variants torch.compile the model (``--compile-backend``, induc
 default): FSDP2 and shardwise compile each decoder layer (torchtitan's recipe; shardwise
 through its ``compile`` config section), DeepSpeed compiles the whole model with
 ``engine.compile()`` (what DeepSpeed offers), and ``sw_z2_compile_module`` does the same in
-shardwise for the like-for-like comparison. Compiling happens in the first warm-up step, so
+shardwise for the like-for-like comparison. ``sw_z3_compile`` and ``sw_z3_offload_dpu_compile``
+compile ZeRO-3 with ``"compile": {"deepcompile": true}`` (each layer compiled, the gathers and
+reduce-scatters around it). A compiled row's "x eager" is its tokens/s over its uncompiled
+twin's, "x fsdp2_c" over ``fsdp2_compile``'s. Compiling happens in the first warm-up step, so
 the timed steps exclude it; give ``--timeout`` room for it.
 """
 from __future__ import annotations
@@ -111,6 +116,8 @@ MATCHING_DS = {
     "sw_z3_nvme": "ds_z3_nvme",
     "sw_z2_compile": "ds_z2_compile",
     "sw_z2_compile_module": "ds_z2_compile",
+    "sw_z3_compile": "ds_z3",
+    "sw_z3_offload_dpu_compile": "ds_z3_offload",
     "sw_z2_monitors": "ds_z2",
     "sw_z2_wallclock": "ds_z2",
 }
@@ -409,12 +416,14 @@ FP8_SECTION = {"enabled": True, "recipe": "tensorwise"}
 
 
 def _setup_shardwise_compile(model, batches, cfg, device, granularity: str,
-                             fp8: bool = False) -> StepFn:
+                             fp8: bool = False, zero_key: str = "z2") -> StepFn:
     import shardwise
 
     set_single_process_env()
-    config = engine_config(cfg, ZERO_SECTIONS["z2"])
+    config = engine_config(cfg, ZERO_SECTIONS[zero_key])
     config["compile"] = {"enabled": True, "backend": compile_backend(), "granularity": granularity}
+    if zero_key.startswith("z3"):  # DeepSpeed's key for compiled ZeRO-3 (same effect here)
+        config["compile"] = {"deepcompile": True, "backend": compile_backend()}
     if fp8:
         config["fp8"] = dict(FP8_SECTION)
     engine, _, _, _ = shardwise.initialize(model=model, config=config)
@@ -425,6 +434,19 @@ def _setup_shardwise_compile(model, batches, cfg, device, granularity: str,
 def setup_sw_z2_compile(model, batches, cfg, device) -> StepFn:
     """shardwise ZeRO-2 with "compile": {"enabled": true}: each decoder layer compiled."""
     return _setup_shardwise_compile(model, batches, cfg, device, "blocks")
+
+
+def setup_sw_z3_compile(model, batches, cfg, device) -> StepFn:
+    """shardwise ZeRO-3 with "compile": {"deepcompile": true}: each decoder layer compiled, the
+    stage-3 gathers, prefetches and reduce-scatters around the compiled layers."""
+    return _setup_shardwise_compile(model, batches, cfg, device, "blocks", zero_key="z3")
+
+
+def setup_sw_z3_offload_dpu_compile(model, batches, cfg, device) -> StepFn:
+    """``sw_z3_offload_dpu`` (parameters and optimizer on the host, delayed update) compiled
+    like ``sw_z3_compile``."""
+    return _setup_shardwise_compile(model, batches, cfg, device, "blocks",
+                                    zero_key="z3_offload_dpu")
 
 
 def setup_sw_z2_compile_module(model, batches, cfg, device) -> StepFn:
@@ -518,6 +540,8 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "ds_z2_compile": setup_ds_z2_compile,
     "sw_z2_compile": setup_sw_z2_compile,
     "sw_z2_compile_module": setup_sw_z2_compile_module,
+    "sw_z3_compile": setup_sw_z3_compile,
+    "sw_z3_offload_dpu_compile": setup_sw_z3_offload_dpu_compile,
     "sw_z2_monitors": setup_sw_z2_monitors,
     "sw_z2_wallclock": setup_sw_z2_wallclock,
     "sw_z2_fp8": setup_sw_z2_fp8,
@@ -708,6 +732,11 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         ds = MATCHING_DS.get(r["variant"])
         r["ds_ref"] = ds
         r["x_ds"] = ratio(r["tokens_per_s"], tok.get(ds)) if ds else None
+        # a compiled row against its eager twin and against compiled FSDP2
+        compiled = r["variant"].endswith("_compile")
+        twin = r["variant"].removesuffix("_compile")
+        r["x_eager"] = ratio(r["tokens_per_s"], tok.get(twin)) if compiled else None
+        r["x_fsdp2c"] = ratio(r["tokens_per_s"], tok.get("fsdp2_compile")) if compiled else None
 
 
 def monitor_overhead(results: list[dict[str, Any]]) -> dict[str, float]:
@@ -736,6 +765,8 @@ TABLE_COLUMNS = [
     ("x_torch", "x torch", ".2f"),
     ("x_ddp", "x ddp", ".2f"),
     ("x_ds", "x ds", ".2f"),
+    ("x_eager", "x eager", ".2f"),  # *_compile rows: over the same variant uncompiled
+    ("x_fsdp2c", "x fsdp2_c", ".2f"),  # *_compile rows: over fsdp2_compile
     # Same weights and data everywhere, so a last loss far from torch's flags a broken variant.
     ("loss_last", "last loss", ".4f"),
     ("loss_max_delta", "max |Δloss|", ".4f"),  # filled by --loss-steps

@@ -13,7 +13,7 @@ Tunable keys (a fixed value is kept as it is; ``"auto"`` opens the choices below
 ``zero_optimization.offload_param``            the same; stage 3 only, with optimizer offload
 ``activation_checkpointing.policy``            "auto": none, selective, full (needs "modules");
                                                a list: those policies
-``compile.enabled`` (or ``"compile": "auto"``)  "auto": off, on (not under stage 3)
+``compile.enabled`` (or ``"compile": "auto"``)  "auto": off, on
 =============================================  ============================================
 """
 from __future__ import annotations
@@ -143,8 +143,6 @@ class TuningSpace:
                         continue
                     for ac in self.ac_policies:
                         for comp in self.compile:
-                            if comp and stage == 3 and len(self.compile) > 1:
-                                continue  # compile is skipped under stage 3 (per-module gathers)
                             out.append(Choice(stage, oo, op, ac, comp))
         return out
 

@@ -261,17 +261,15 @@ class CompileConfig(ConfigModel):
 
     DeepSpeed 0.14 compiled the model when ``enabled`` was true; later DeepSpeed releases ask
     for ``engine.compile()`` and reuse the section for DeepCompile. shardwise does both:
-    ``enabled`` compiles at ``initialize()``, ``engine.compile()`` compiles on demand, and the
-    DeepCompile keys load with a warning (there are no DeepCompile graph passes here)."""
-
-    inert = {"deepcompile": "DeepCompile's graph passes (ZeRO-3 gather/offload scheduling inside "
-                            "the compiled graph) are not implemented; compile.enabled or "
-                            "engine.compile() runs plain torch.compile"}
+    ``enabled`` (or ``deepcompile``) compiles at ``initialize()``, ``engine.compile()`` compiles
+    on demand. Under ZeRO stage 3 each decoder layer is compiled with the gathers, releases and
+    gradient reduce-scatters around it (FSDP2's composition with torch.compile); DeepCompile's
+    tuning keys load with a warning (there are no DeepCompile graph passes here)."""
 
     enabled: bool = False
     """Compile the model with ``torch.compile`` at ``initialize()`` (DeepSpeed 0.14's key);
-    ``engine.compile()`` does the same later. Under ZeRO stage 3 compiling is skipped with a
-    warning (its per-module gather hooks cannot run inside a compiled graph)."""
+    ``engine.compile()`` does the same later. Works with every ZeRO stage: under stage 3 each
+    block is compiled on its own, its gathers and releases running eagerly around it."""
     backend: str = "inductor"
     """``torch.compile`` backend: a name from ``torch._dynamo.list_backends()`` ("inductor",
     "aot_eager", "eager", "cudagraphs", ...) or a dotted path "package.module.fn" to a backend
@@ -287,7 +285,11 @@ class CompileConfig(ConfigModel):
     stays inside one block. "module" compiles the whole model in one piece, as DeepSpeed's
     ``engine.compile()`` does. A model without such a list is compiled whole."""
     deepcompile: bool = False
-    """DeepSpeed's DeepCompile switch; accepted, no effect (warns when true)."""
+    """DeepSpeed's DeepCompile switch: compiled training with the ZeRO (stage 3: parameter
+    gather/release, gradient reduce-scatter, prefetch) communication kept outside per-block
+    compiled regions. True compiles at ``initialize()`` as ``enabled`` does (a later plain
+    ``engine.compile()``, which DeepSpeed scripts call, then does nothing); DeepCompile's own
+    graph passes and their tuning keys are not reproduced."""
 
     _lower_granularity = field_validator("granularity", mode="before")(classmethod(lambda cls, value: lowered(value)))
 
@@ -315,5 +317,6 @@ class CompileConfig(ConfigModel):
         if dropped:
             notes.append(f"Config keys {', '.join(f'{path}.{k}' for k in dropped)} are DeepCompile "
                          f"options, accepted with no effect: shardwise has no DeepCompile graph "
-                         f"passes (compile.enabled runs plain torch.compile).")
+                         f"passes (the section's deepcompile and enabled keys compile each "
+                         f"decoder layer, with ZeRO's communication around the compiled layers).")
         return {k: v for k, v in raw.items() if k not in dropped}

@@ -18,12 +18,22 @@ Granularity (``compile.granularity``):
 When compiling cannot work here, the model stays eager with one warning, so a config written
 for a GPU still trains on a CPU-only CI machine: no dynamo for this Python/platform, inductor
 without Triton (GPU) or without a C++ compiler (CPU), or a backend that fails a tiny probe
-compile (forward and backward of a two-op function, once per process). Under ZeRO stage 3
-compiling is skipped with a warning: its hooks gather and release each module's partitioned
-parameters around every call, which cannot happen inside a compiled graph (dynamo would trace
-the swaps of ``param.data`` and recompile on every shape change). Modules wrapped by
+compile (forward and backward of a two-op function, once per process). Modules wrapped by
 ``activation_checkpointing.modules`` stay eager too (warned): the checkpoint wrappers'
 recompute does not match a traced forward (torch raises a CheckpointError in backward).
+
+**ZeRO stage 3** (``"deepcompile": true`` is DeepSpeed's name for it) composes with compile the
+way FSDP2 does: each block is one compiled region and one stage-3 gather unit. The block's
+*forward* is compiled (not its ``__call__``), so its module hooks (gather and prefetch before,
+release after, the output hook that re-gathers for backward) run eagerly around the compiled
+region, and the modules inside the block lose their own hooks (``ParamCoordinator.set_units``):
+nothing of ours is traced, nothing breaks the graph. The gradients' reduce-scatter runs in the
+post-accumulate-grad hooks, after the block's compiled backward. The parameters are inputs of
+the graph (dynamo guards their shape, dtype and strides, never their address), so each call
+reads whatever storage the gather just filled: no stale weight across releases, gathers or
+optimizer steps. Modes that capture CUDA graphs (``reduce-overhead``, ``max-autotune``'s
+graphs, backend ``cudagraphs``) would pin the gathered buffers' addresses and are switched off
+with a warning.
 
 With several ranks the decision is taken together (all ranks compile or none), because the
 order in which gradients arrive, and so the order of the bucket reductions, follows the graph.
@@ -42,6 +52,7 @@ import torch.distributed as dist
 from ..config.models import check_compile_kwargs
 from ..errors import ConfigError
 from ..utils.logging import log_dist, warn_once
+from .compile_zero3 import GatherUnits, compile_block_forwards, zero3_granularity, zero3_kwargs
 
 Backend = Union[str, Callable[..., Any]]
 GRANULARITIES = ("blocks", "module")
@@ -60,6 +71,9 @@ class CompileResult:
     """Qualified names of the compiled modules ("" is the model itself)."""
     skipped_reason: Optional[str] = None
     """Why the model stayed eager; None when something was compiled."""
+    zero3_units: bool = False
+    """ZeRO stage 3: the blocks' forwards were compiled and each block is one gather unit,
+    its gathers, releases and prefetches running eagerly around the compiled region."""
 
     @property
     def is_compiled(self) -> bool:
@@ -202,12 +216,14 @@ def _raise_recompile_limit(n_blocks: int) -> None:
 def apply_compile(module: torch.nn.Module, *, backend: Backend = "inductor",
                   kwargs: Optional[Dict[str, Any]] = None, granularity: str = "blocks",
                   zero_stage: int = 0, device: Optional[torch.device] = None,
-                  group: Optional[dist.ProcessGroup] = None) -> CompileResult:
+                  group: Optional[dist.ProcessGroup] = None,
+                  units: Optional[GatherUnits] = None) -> CompileResult:
     """Compile ``module`` in place (see the module docstring); returns what was done.
 
-    Raises ConfigError for a bad granularity, backend name or keyword argument; environment
-    problems (no toolchain, a failing probe) and ZeRO stage 3 keep the model eager with one
-    warning instead."""
+    Under ZeRO stage 3 ``units`` is the engine's gather coordinator: each compiled block
+    becomes one of its gather units (``compile_zero3.py``). Raises ConfigError for a bad
+    granularity, backend name or keyword argument; environment problems (no toolchain, a
+    failing probe) keep the model eager with one warning instead."""
     if granularity not in GRANULARITIES:
         raise ConfigError(f"compile granularity {granularity!r} is not one of "
                           f"{', '.join(GRANULARITIES)} (e.g. \"granularity\": \"blocks\")")
@@ -219,10 +235,12 @@ def apply_compile(module: torch.nn.Module, *, backend: Backend = "inductor",
         warn_once(f"compile: the model stays eager: {reason}.")
         return CompileResult(name, granularity, (), reason)
 
-    if zero_stage >= 3:
-        return skip("ZeRO stage 3 gathers and releases each module's parameters in module "
-                    "hooks, which cannot run inside a compiled graph; use stage 1 or 2 to "
-                    "compile, or set \"compile\": {\"enabled\": false} to silence this")
+    zero3 = zero_stage >= 3
+    if zero3:
+        reason = _zero3_obstacle(module, name, units)
+        if reason is not None:
+            return skip(reason)
+        granularity, kwargs = zero3_granularity(granularity), zero3_kwargs(kwargs)
     reason = _toolchain_missing(backend, device)
     resolved: Backend = backend
     if reason is None:
@@ -236,26 +254,58 @@ def apply_compile(module: torch.nn.Module, *, backend: Backend = "inductor",
                     "to silence this")
 
     applied, targets = _targets(module, granularity)
-    checkpointed = [q for q, t in targets if any(hasattr(m, "_shardwise_ac") for m in t.modules())]
-    if checkpointed:
-        targets = [(q, t) for q, t in targets if q not in checkpointed]
-        text = (f"activation_checkpointing wraps {len(checkpointed)} of the modules to compile "
-                f"({checkpointed[0] or type(module).__name__}{' ..' if len(checkpointed) > 1 else ''}) "
-                "and its checkpoint wrappers do not run correctly inside a compiled graph; "
-                "remove activation_checkpointing.modules to compile them")
-        if not targets:
-            return skip(text)
-        warn_once(f"compile: {text}; they stay eager.")
+    targets = _without_checkpointed(module, targets)
+    if not targets:
+        return skip("activation_checkpointing wraps every module to compile, and its checkpoint "
+                    "wrappers do not run correctly inside a compiled graph; remove "
+                    "activation_checkpointing.modules to compile them")
     if applied == "blocks":
         _raise_recompile_limit(len(targets))
-    for _, target in targets:
-        target.compile(backend=resolved, **kwargs)
+    if zero3:
+        assert units is not None  # _zero3_obstacle said so
+        compile_block_forwards([t for _, t in targets], units,
+                               functools.partial(torch.compile, backend=resolved, **kwargs))
+    else:
+        for _, target in targets:
+            target.compile(backend=resolved, **kwargs)
     compiled = tuple(qualname for qualname, _ in targets)
     log_dist(f"compile: backend {name}, granularity {applied}: "
              + (f"{len(compiled)} blocks ({compiled[0]} .. {compiled[-1]})" if applied == "blocks"
                 else f"the whole {type(module).__name__}")
+             + (", ZeRO-3 gathers around each compiled block" if zero3 else "")
              + (f", kwargs {kwargs}" if kwargs else ""), ranks=[0])
-    return CompileResult(name, applied, compiled, None)
+    return CompileResult(name, applied, compiled, None, zero3_units=zero3)
+
+
+def _zero3_obstacle(module: torch.nn.Module, backend_name: str,
+                    units: Optional[GatherUnits]) -> Optional[str]:
+    """Why stage 3 cannot compile ``module`` (None: it can)."""
+    if units is None:
+        return ("ZeRO stage 3 compiles each block as one gather unit and no stage-3 gather "
+                "coordinator was given (engine.compile() passes the engine's)")
+    if backend_name == "cudagraphs":
+        return ("backend \"cudagraphs\" captures the weights' addresses, which ZeRO stage 3 "
+                "changes at every gather; use \"inductor\" (or \"aot_eager\")")
+    if not find_blocks(module)[1]:
+        return (f"ZeRO stage 3 compiles each repeated block (a decoder layer) with its gathers "
+                f"around it, and {type(module).__name__} has no nn.ModuleList of repeated "
+                "blocks; compile under stage 1 or 2, or set \"compile\": {\"enabled\": false}")
+    return None
+
+
+Targets = List[Tuple[str, torch.nn.Module]]
+
+
+def _without_checkpointed(module: torch.nn.Module, targets: Targets) -> Targets:
+    """``targets`` but those activation checkpointing wraps (warned once)."""
+    checkpointed = [q for q, t in targets if any(hasattr(m, "_shardwise_ac") for m in t.modules())]
+    if checkpointed and len(checkpointed) < len(targets):
+        warn_once(f"compile: activation_checkpointing wraps {len(checkpointed)} of the modules to "
+                  f"compile ({checkpointed[0] or type(module).__name__}"
+                  f"{' ..' if len(checkpointed) > 1 else ''}) and its checkpoint wrappers do not "
+                  "run correctly inside a compiled graph; remove activation_checkpointing.modules "
+                  "to compile them; they stay eager.")
+    return [(q, t) for q, t in targets if q not in checkpointed]
 
 
 def compile_engine(engine: Any, backend: Optional[Backend] = None,
@@ -269,7 +319,10 @@ def compile_engine(engine: Any, backend: Optional[Backend] = None,
     keeps the first result (DeepSpeed returns early too)."""
     done = engine.__dict__.get("_compile_result")
     if done is not None and done.is_compiled:
-        warn_once("engine.compile(): the model is already compiled; this call does nothing")
+        asked = (backend, compile_kwargs, schedule, granularity) != (None,) * 4
+        if asked or compiled_autograd_enabled:  # a plain call after the config compiled: quiet
+            warn_once("engine.compile(): the model is already compiled (by the config's "
+                      "compile section or an earlier call); this call does nothing")
         return done
     section = engine.config.compile
     kwargs = dict(section.kwargs if compile_kwargs is None else compile_kwargs)
@@ -285,9 +338,15 @@ def compile_engine(engine: Any, backend: Optional[Backend] = None,
     result = apply_compile(engine.module, backend=section.backend if backend is None else backend,
                            kwargs=kwargs, granularity=granularity or section.granularity,
                            zero_stage=engine.zero_optimization_stage(), device=engine.device,
-                           group=engine.dp_group)
+                           group=engine.dp_group, units=_gather_units(engine))
     engine._compile_result = result
     return result
+
+
+def _gather_units(engine: Any) -> Optional[GatherUnits]:
+    """The stage-3 gather coordinator of ``engine`` (training or parameters-only), if any."""
+    units = getattr(engine.strategy, "coordinator", None)
+    return units if isinstance(units, GatherUnits) else None
 
 
 __all__ = ["CompileResult", "apply_compile", "compile_engine", "find_blocks", "resolve_backend"]

@@ -206,10 +206,12 @@ class DeepSpeedQueriesMixin:
         return False
 
     def is_deepcompile_enabled(self) -> bool:
-        return False
+        """``compile.deepcompile`` is set (DeepSpeed's query)."""
+        return bool(self.config.compile.deepcompile)
 
     def is_deepcompile_active(self) -> bool:
-        return False
+        """``compile.deepcompile`` is set and the model is compiled."""
+        return self.is_deepcompile_enabled() and bool(getattr(self, "is_compiled", False))
 
     def _zero(self, key: str) -> Any:
         return getattr(self.config.zero_optimization, key)

@@ -241,7 +241,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
             pin_memory=getattr(effects, "pin_memory", None), seed=cfg.seed or 0,
             drop_last=bool(cfg.dataloader_drop_last))
     _configure_activation_checkpointing(cfg, model)
-    if cfg.compile.enabled:  # after checkpointing wrapped the blocks, so it is compiled with them
+    if cfg.compile.enabled or cfg.compile.deepcompile:  # after checkpointing wrapped the blocks
         engine.compile()
     log_dist(f"shardwise engine: ZeRO stage {cfg.zero_optimization.stage}, "
              f"{str(cfg.compute_dtype).replace('torch.', '')}, world size {world}, device {device}, "

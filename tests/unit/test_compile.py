@@ -114,10 +114,10 @@ def test_bad_compile_values_are_config_errors_naming_the_key(section, needle) ->
     assert needle in str(err.value)
 
 
-def test_deepcompile_keys_load_with_a_warning() -> None:
+def test_deepcompile_loads_quietly_and_its_tuning_keys_with_a_warning() -> None:
     cfg = load_config(_config(deepcompile=True, free_activation=True, offload_opt_states=False))
     warnings = " ".join(cfg.warnings)
-    assert "compile.deepcompile" in warnings
+    assert cfg.compile.deepcompile and "compile.deepcompile" not in warnings  # it means something
     assert "compile.free_activation" in warnings and "compile.offload_opt_states" in warnings
     assert "Unknown config key" not in warnings
 
@@ -213,16 +213,103 @@ def test_engine_compile_flips_is_compiled_and_a_second_call_keeps_the_first() ->
     _train(engine, steps=2)
 
 
-# --- stage 3 and a missing toolchain: eager, with a reason --------------------------------------
-def test_stage3_skips_compile_and_trains_like_eager() -> None:
-    eager, *_ = shardwise.initialize(model=_model(), config=_config(3))
+# --- stage 3: each block one compiled region and one gather unit ---------------------------
+def _stage3(**compile_section):
+    cfg = _config(3, **compile_section)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every weight partitioned
+    return cfg
+
+
+def _gathered(engine):
+    from shardwise.zero import GatheredParameters
+    with GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def test_stage3_compiles_each_block_forward_with_its_hooks_outside() -> None:
+    eager, *_ = shardwise.initialize(model=_model(), config=_stage3())
     ref_losses, _ = _train(eager)
-    engine, *_ = shardwise.initialize(model=_model(), config=_config(3, enabled=True,
-                                                                     backend="aot_eager"))
-    assert not engine.is_compiled and not _compiled_names(engine.module)
-    assert "stage 3" in engine._compile_result.skipped_reason
+    model = _model()
+    engine, *_ = shardwise.initialize(model=model,
+                                      config=_stage3(enabled=True, backend="aot_eager"))
+    result = engine._compile_result
+    assert engine.is_compiled and result.zero3_units and result.granularity == "blocks"
+    assert result.compiled == ("layers.0", "layers.1", "layers.2")
+    assert not _compiled_names(model)  # the blocks' __call__ (and so their hooks) stays eager
+    for block in model.layers:
+        assert "forward" in block.__dict__ and block._forward_pre_hooks and block._forward_hooks
+        assert not any(m._forward_pre_hooks or m._forward_hooks for m in block.modules()
+                       if m is not block)
+    assert model.inp._forward_pre_hooks  # outside the blocks: gathered per module as before
     losses, _ = _train(engine)
-    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for got, want in zip(_gathered(engine), _gathered(eager)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_deepcompile_compiles_at_initialize_and_a_later_plain_compile_is_quiet(monkeypatch) -> None:
+    said = []
+    monkeypatch.setattr(C, "warn_once", said.append)
+    engine, *_ = shardwise.initialize(model=_model(), config=_stage3(deepcompile=True,
+                                                                     backend="aot_eager"))
+    first = engine._compile_result
+    assert engine.is_compiled and first.zero3_units
+    assert engine.is_deepcompile_enabled() and engine.is_deepcompile_active()
+    engine.compile()  # what a DeepSpeed DeepCompile script calls next
+    assert engine._compile_result is first and not said
+    engine.compile(backend="eager")
+    assert engine._compile_result is first and "already compiled" in said[0]
+
+
+def test_stage3_module_granularity_and_cuda_graph_modes_are_switched_off(monkeypatch) -> None:
+    from shardwise.runtime import compile_zero3 as Z
+    said = []
+    monkeypatch.setattr(Z, "warn_once", said.append)
+    engine, *_ = shardwise.initialize(model=_model(), config=_stage3(
+        enabled=True, backend="aot_eager", granularity="module"))
+    assert engine._compile_result.granularity == "blocks" and "granularity 'module'" in said[0]
+    assert Z.zero3_kwargs({"mode": "reduce-overhead", "fullgraph": True}) == {"fullgraph": True}
+    assert Z.zero3_kwargs({"mode": "max-autotune"}) == {"mode": "max-autotune-no-cudagraphs"}
+    assert Z.zero3_kwargs({"options": {"triton.cudagraphs": True}}) == {
+        "options": {"triton.cudagraphs": False}}
+    assert Z.zero3_kwargs({"mode": "default"}) == {"mode": "default"}
+    assert sum("CUDA graphs" in w for w in said) == 3
+
+
+def test_a_whole_model_compiled_by_its_user_under_stage3_trains_like_eager() -> None:
+    """torch.compile(engine.module) bypasses the engine's compile: dynamo must not trace the
+    stage-3 hooks (it did, and backward then failed on a weight swapped under it)."""
+    from torch._dynamo.utils import counters
+    eager, *_ = shardwise.initialize(model=_model(), config=_stage3())
+    ref_losses, _ = _train(eager)
+    engine, *_ = shardwise.initialize(model=_model(), config=_stage3())
+    torch._dynamo.reset()
+    compiled = torch.compile(engine.module, backend="aot_eager")
+    breaks = sum(counters["graph_break"].values())
+    losses = []
+    for x, y in _batches(4):
+        loss = compiled(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    assert sum(counters["graph_break"].values()) > breaks  # the hooks ran outside the graphs
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for got, want in zip(_gathered(engine), _gathered(eager)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_stage3_model_without_blocks_stays_eager_with_the_reason() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    engine, *_ = shardwise.initialize(model=model, config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "compile": {"enabled": True, "backend": "aot_eager"}})
+    assert not engine.is_compiled and "no nn.ModuleList of repeated blocks" in \
+        engine._compile_result.skipped_reason
+    assert all(m._forward_pre_hooks for m in model.modules())  # gathered per module, as eager
+    loss = torch.nn.functional.mse_loss(engine(torch.randn(2, 4)), torch.zeros(2, 2))
+    engine.backward(loss)
+    engine.step()
 
 
 def test_inductor_without_a_cpu_compiler_stays_eager(monkeypatch) -> None:

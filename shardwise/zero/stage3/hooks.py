@@ -33,10 +33,11 @@ collectives in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
+from ...errors import ZeroError
 from .partition import RELEASED, Partitioner, PartitionedParam
 
 
@@ -145,10 +146,46 @@ class ParamCoordinator:
         backward, positions at or above it): each prefetch resumes there instead of
         re-walking the trace, which would cost O(modules²) per pass."""
         self._behind: Optional[int] = None
-        self._handles = []
+        self._units: Dict[int, torch.nn.Module] = {}
+        """Modules gathered as one piece with everything under them (``set_units``)."""
+        self._handles: Dict[int, list] = {}
+        """The two hooks of each hooked module (by id)."""
+        # dynamo never traces the hooks (they swap ``param.data``, which a graph cannot
+        # follow): a whole model compiled by its user breaks the graph around each of them and
+        # runs them eagerly; the engine's own compile keeps them outside (``set_units``)
+        self._pre_hook = torch.compiler.disable(self._pre_forward)
+        self._post_hook = torch.compiler.disable(self._post_forward)
         for m in root.modules():
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+            self._hook(m)
+
+    def _hook(self, m: torch.nn.Module) -> None:
+        self._handles[id(m)] = [m.register_forward_pre_hook(self._pre_hook),
+                                m.register_forward_hook(self._post_hook, always_call=True)]
+
+    def set_units(self, units: Sequence[torch.nn.Module]) -> None:
+        """Gather each of ``units`` (e.g. the decoder layers that ``torch.compile`` compiles one
+        by one) as one piece: its hooks gather and release the parameters of every module
+        under it, and those modules lose their own hooks, so that nothing of ours runs inside
+        the unit's forward (FSDP2's layout: one parameter group per layer, the collectives
+        around the layer's call, never inside it). The recorded orders start afresh."""
+        for unit in units:
+            if id(unit) not in self._handles:
+                raise ZeroError(f"set_units: {type(unit).__name__} is not a hooked module of "
+                                "this engine's model (or lies inside another unit)")
+            self._units[id(unit)] = unit
+            for m in unit.modules():
+                if m is not unit:
+                    self._units.pop(id(m), None)
+                    for h in self._handles.pop(id(m), ()):
+                        h.remove()
+        self.traces = {TRAIN: Trace(), EVAL: Trace()}
+        self._cur = Trace()
+        self._valid = False
+
+    @property
+    def units(self) -> List[torch.nn.Module]:
+        """The modules gathered as one piece (``set_units``), in no particular order."""
+        return list(self._units.values())
 
     @property
     def head(self) -> Set[int]:
@@ -157,13 +194,17 @@ class ParamCoordinator:
 
     # --- which parameters a module needs ---------------------------------------------
     def params_of(self, module: torch.nn.Module) -> List[PartitionedParam]:
+        """The records ``module`` gathers: its own parameters and external ones (a unit's:
+        those of every module under it)."""
         seen, out = set(), []
         record = self.partitioner.record
-        for p in list(module._parameters.values()) + list(getattr(module, "_sw_external_params", ())):
-            rec = record(p) if p is not None else None
-            if rec is not None and id(rec) not in seen:
-                seen.add(id(rec))
-                out.append(rec)
+        members = module.modules() if id(module) in self._units else (module,)
+        for m in members:
+            for p in list(m._parameters.values()) + list(getattr(m, "_sw_external_params", ())):
+                rec = record(p) if p is not None else None
+                if rec is not None and id(rec) not in seen:
+                    seen.add(id(rec))
+                    out.append(rec)
         return out
 
     # --- forward ----------------------------------------------------------------------
@@ -325,6 +366,7 @@ class ParamCoordinator:
         self.gathers.sweep(keep)
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+        for handles in self._handles.values():
+            for h in handles:
+                h.remove()
         self._handles.clear()
