@@ -178,3 +178,17 @@ def test_compiled_parameters_only_stage3_generates_the_plain_tokens() -> None:
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(engine.module.generate(prompt, **gen), want)
+
+
+def test_compiled_stage3_with_parameters_and_optimizer_on_nvme(tmp_path) -> None:
+    # the three branches met here: compiled layers as gather units, parameter shards read
+    # ahead from swap files, optimizer states streamed from swap files at the step
+    cfg = config("none")
+    cfg["zero_optimization"]["offload_param"] = {
+        "device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0, "min_nvme_bytes": 0}
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    out = train(0, 1, cfg, compiled=True)
+    check_compiled_run(out)
+    assert not mismatches(out["params"], reference(1))
+    files = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert files, "nothing was swapped to the NVMe path"  # the engine is not destroyed here
