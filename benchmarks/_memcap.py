@@ -58,7 +58,7 @@ class CappedRun:
     returncode: Optional[int]
 
 
-def _tree_rss(proc: psutil.Process) -> int:
+def tree_rss(proc: psutil.Process) -> int:
     total = 0
     for p in [proc] + proc.children(recursive=True):
         try:
@@ -144,7 +144,7 @@ class MemoryCap:
                     except subprocess.TimeoutExpired:
                         pass
                     used = (self._read_int(group / "memory.current") if group is not None
-                            else _tree_rss(ps))
+                            else tree_rss(ps))
                     peak = max(peak, used)
                     if group is None and used > self.limit:
                         status = "oom"

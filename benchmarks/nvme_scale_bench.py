@@ -110,6 +110,7 @@ def run_trial(mode: str, cfg: BenchConfig, nvme_path: str, opt_nvme: bool) -> Di
     import shardwise
     import train_bench as tb
     from _common import HostRssSampler, llama_config
+    from scale_bench import timed_steps
     from shardwise.zero.stage3.partition import full_numel
 
     device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
@@ -126,23 +127,10 @@ def run_trial(mode: str, cfg: BenchConfig, nvme_path: str, opt_nvme: bool) -> Di
         engine = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)[0]
         build_s = time.perf_counter() - start
-        gen = torch.Generator().manual_seed(cfg.seed + 1)
-        x = torch.randint(0, cfg.vocab, (cfg.micro_batch, cfg.seq), generator=gen).to(device)
-        step = tb.engine_step(engine, [x])
-        times, losses = [], []
-        for i in range(cfg.warmup + cfg.steps):
-            t0 = time.perf_counter()
-            loss = step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= cfg.warmup:
-                times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach().float().item()))
+        times, losses = timed_steps(engine, cfg, device)
         swapper = getattr(getattr(engine.strategy, "params", None), "swapper", None)
         swap_gib = swapper.nvme_bytes / GIB if swapper is not None else 0.0
         engine.destroy()
-    if not all(v == v and abs(v) < 1e4 for v in losses):
-        raise RuntimeError(f"losses are not finite: {losses}")
     step_s = sum(times) / len(times)
     return {"n_params": count, "build_s": build_s, "step_s": step_s, "losses": losses,
             "tok_s": cfg.micro_batch * cfg.seq / step_s, "rss_peak_gib": rss.peak_bytes / GIB,

@@ -41,6 +41,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import train_bench as tb  # noqa: E402
+from _memcap import tree_rss  # noqa: E402
 from _common import (GIB, BenchConfig, HostRssSampler, add_shape_args, format_table,  # noqa: E402
                      llama_config)
 
@@ -87,6 +88,26 @@ def build_engine(framework: str, cfg: BenchConfig) -> tuple[Any, int]:
     return engine, n_params
 
 
+def timed_steps(engine: Any, cfg: BenchConfig, device: torch.device) -> tuple[list[float], list[float]]:
+    """``cfg.warmup + cfg.steps`` steps on one fixed random batch: the timed steps' seconds and
+    every loss. A loss that is NaN or blown up means the model does not train: an error."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    x = torch.randint(0, cfg.vocab, (cfg.micro_batch, cfg.seq), generator=gen).to(device)
+    step = tb.engine_step(engine, [x])
+    times, losses = [], []
+    for i in range(cfg.warmup + cfg.steps):
+        t0 = time.perf_counter()
+        loss = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= cfg.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach().float().item()))
+    if not all(l == l and abs(l) < 1e4 for l in losses):
+        raise RuntimeError(f"losses are not finite: {losses}")
+    return times, losses
+
+
 def run_trial(framework: str, cfg: BenchConfig) -> dict[str, Any]:
     device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -95,20 +116,7 @@ def run_trial(framework: str, cfg: BenchConfig) -> dict[str, Any]:
     with HostRssSampler() as rss:
         engine, n_params = build_engine(framework, cfg)
         build_s = time.perf_counter() - start
-        gen = torch.Generator().manual_seed(cfg.seed + 1)
-        x = torch.randint(0, cfg.vocab, (cfg.micro_batch, cfg.seq), generator=gen).to(device)
-        step = tb.engine_step(engine, [x])
-        times, losses = [], []
-        for i in range(cfg.warmup + cfg.steps):
-            t0 = time.perf_counter()
-            loss = step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= cfg.warmup:
-                times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach().float().item()))
-    if not all(l == l and abs(l) < 1e4 for l in losses):  # NaN or blown up: not "trains"
-        raise RuntimeError(f"losses are not finite: {losses}")
+        times, losses = timed_steps(engine, cfg, device)
     return {"framework": framework, "layers": cfg.layers, "n_params": n_params,
             "build_s": build_s, "step_s": sum(times) / len(times), "losses": losses,
             "host_rss_peak_gib": rss.peak_bytes / GIB,
@@ -131,16 +139,6 @@ def worker_main(framework: str, cfg: BenchConfig) -> int:
 # ---------------------------------------------------------------------------------------------
 # Parent: trials one after another, under a timeout and a host-memory watchdog.
 # ---------------------------------------------------------------------------------------------
-def _tree_rss(proc: psutil.Process) -> int:
-    total = 0
-    for p in [proc] + proc.children(recursive=True):
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def run_guarded(argv: list[str], log_path: Path, timeout_s: float,
                 min_free_gib: float, extra_env: dict[str, str] | None = None,
                 cap_gib: float = 0.0) -> tuple[str, float, float]:
@@ -164,7 +162,7 @@ def run_guarded(argv: list[str], log_path: Path, timeout_s: float,
             low = min(low, avail)
             if avail < min_free_gib * GIB:
                 status = "host-oom"
-            elif cap_gib > 0 and _tree_rss(psutil.Process(proc.pid)) > cap_gib * GIB:
+            elif cap_gib > 0 and tree_rss(psutil.Process(proc.pid)) > cap_gib * GIB:
                 status = "host-cap"
             elif time.perf_counter() - start > timeout_s:
                 status = "timeout"
