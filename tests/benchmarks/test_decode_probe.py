@@ -1,17 +1,13 @@
 """benchmarks/decode_probe.py on a tiny model on CPU: every job gives a row, bad options a clear row."""
-import importlib.util
-import sys
 from pathlib import Path
+
+from tests.benchmarks._load import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _probe():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("decode_probe", ROOT / "benchmarks" / "decode_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench('decode_probe')
 
 
 def test_probe_runs_jobs_and_names_a_bad_option(capsys):

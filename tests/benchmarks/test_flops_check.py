@@ -3,9 +3,10 @@ train_bench's analytic 6N + 12Lhs within 5% (the script's pass rule), with exact
 engine's profile_step (``--engine``) counts the same matmuls."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from tests.benchmarks._load import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--intermediate", "128",
@@ -13,10 +14,7 @@ TINY = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--intermediate", 
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("flops_check", REPO / "benchmarks" / "flops_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench('flops_check')
 
 
 def test_flops_check_tiny_cpu(tmp_path: Path) -> None:

@@ -1,15 +1,13 @@
 """benchmarks/infer_bench.py: the ratio table and the row bookkeeping (no GPU, no subprocess)."""
-import importlib.util
 from pathlib import Path
+
+from tests.benchmarks._load import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("infer_bench", ROOT / "benchmarks" / "infer_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench('infer_bench')
 
 
 def test_ratio_table_compares_like_with_like(capsys):

@@ -1,17 +1,15 @@
 """benchmarks/rlhf_bench.py's tables: every variant's row, ratios of the hybrid engine last."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from tests.benchmarks._load import load_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "rlhf_bench.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("rlhf_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench('rlhf_bench')
 
 
 def _row(variant, tok_s, switch=0.0):

@@ -1,16 +1,13 @@
 """benchmarks/zero_inference_bench.py: the tables and the PCIe-bound arithmetic (no GPU)."""
-import importlib.util
 from pathlib import Path
+
+from tests.benchmarks._load import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("zero_inference_bench",
-                                                  ROOT / "benchmarks" / "zero_inference_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench('zero_inference_bench')
 
 
 def test_tables_ratios_and_auto_batch_label(capsys):
