@@ -7,6 +7,8 @@ over; the child prints one JSON line last, which becomes the row.
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -21,10 +23,25 @@ LLAMA_SHAPES: Dict[str, Dict[str, int]] = {
 }
 
 
+def child_env() -> Dict[str, str]:
+    """This environment for a benchmark child, with ``TORCH_CUDA_ARCH_LIST`` entries stripped of
+    their feature suffix ("9.0a" -> "9.0"): DeepSpeed 0.19.8's op builder parses each entry as
+    integers and fails on the H200 image's "9.0a" before it JIT-builds an op (measured there:
+    its hybrid engine and kernel injection die with ``invalid literal for int() ... '0a'``)."""
+    env = dict(os.environ)
+    archs = env.get("TORCH_CUDA_ARCH_LIST")
+    if archs:
+        entries = archs.replace(" ", ";").split(";")
+        env["TORCH_CUDA_ARCH_LIST"] = ";".join(
+            re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", e.strip()) for e in entries if e.strip())
+    return env
+
+
 def run_child(cmd: Sequence[str], key: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     """Run ``cmd``; its last JSON line, or ``key`` with the error (timeout, last stderr lines)."""
     try:
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
+                              env=child_env())
     except subprocess.TimeoutExpired:
         return {**key, "error": f"timeout {timeout}s"}
     for line in reversed(proc.stdout.splitlines()):

@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's shardwise
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _child_run import tok_s_ratio  # noqa: E402,F401  (the tests read it here)
+from _child_run import child_env, tok_s_ratio  # noqa: E402,F401  (the tests read it here)
 from _infer_measure import SIZES, build_model, copy_bandwidth, run_unit  # noqa: E402,F401
 from _infer_report import (print_int8_accuracy, print_tables, print_targets,  # noqa: E402,F401
                            target_lines)
@@ -124,7 +124,8 @@ def run_unit_process(unit: str, args: argparse.Namespace, timeout: float) -> Lis
     if args.decode:
         cmd += ["--decode", args.decode]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=child_env())
         rows, why = _rows_from(proc.stdout), f"exit code {proc.returncode}"
         tail = (proc.stderr or "").strip().splitlines()[-3:]
     except subprocess.TimeoutExpired as exc:

@@ -26,3 +26,12 @@ def test_ratio_table_comes_last(capsys):
     assert "FAILED: kernel build failed" in "\n".join(out)
     last = out[-1].split()
     assert last[:2] == ["1.1b", "16"] and last[2] == "20.00x" and last[3] == "-" and last[4] == "1.50x"
+
+
+def test_children_get_an_arch_list_deepspeed_can_parse(monkeypatch):
+    # DeepSpeed 0.19.8 died on the H200 image's "9.0a" (int('0a')) before building its kernels
+    from _child_run import child_env
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a 10.0f+PTX")
+    assert child_env()["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    assert "TORCH_CUDA_ARCH_LIST" not in child_env()
