@@ -20,7 +20,12 @@ one call stays inside its time limit.
 
     python benchmarks/decode_probe.py                                   # the default jobs
     python benchmarks/decode_probe.py --jobs 7b:base,7b:gemv=reduction --budget 150
+    python benchmarks/decode_probe.py --jobs 7b:base,7b:attention=reduction --batch 16 --prompt 256 --new 256
     python benchmarks/decode_probe.py --device cpu --jobs tiny:base --prompt 16 --new 8   # smoke
+
+``--batch N`` measures the step at batch N (the Hybrid Engine's RLHF shape is 16 x 256 + 256);
+there the bound adds the static KV cache, which the masked attention reads whole every step
+(N x (prompt + new) positions x layers x 2 x KV heads x head dim x 2 bytes).
 """
 from __future__ import annotations
 
@@ -102,6 +107,14 @@ def time_generate(engine: Any, ids: Any, new: int, device: str) -> Dict[str, flo
     one = min(run(1) for _ in range(2))
     full = min(run(new) for _ in range(2))
     return {"loop_ms_per_token": (full - one) / (new - 1), "prefill_ms": one}
+
+
+def kv_cache_bytes(size: str, batch: int, length: int) -> int:
+    """bf16 bytes of the static KV cache of ``batch`` x ``length`` positions (read whole by a
+    masked decode step)."""
+    s = SIZES[size]
+    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    return batch * length * s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * head_dim * 2
 
 
 def _kind(name: str) -> str:
@@ -210,16 +223,19 @@ def run_job(size: str, options: Any, args: argparse.Namespace, state: Dict[str, 
     dec.set_options(options)
     if args.device == "cuda":
         dec.compile_step(cuda_graph=not args.no_graph)
-    ids = torch.randint(0, SIZES[size]["vocab_size"], (1, args.prompt), device=args.device)
+    ids = torch.randint(0, SIZES[size]["vocab_size"], (args.batch, args.prompt), device=args.device)
     t0 = time.perf_counter()
     engine.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)  # compile + capture
     row: Dict[str, Any] = {"compile_s": time.perf_counter() - t0}
     row.update(time_generate(engine, ids, args.new, args.device))
-    inputs = step_inputs(dec, 1, args.prompt, args.device)
+    inputs = step_inputs(dec, args.batch, args.prompt, args.device)
     row.update(time_steps(dec, inputs, args.steps, args.device))
     row["graph_skips"] = _graph_skips() - skips if args.device == "cuda" else "-"
     if bandwidth:
-        bound_ms = state["weight_bytes"] / bandwidth * 1000
+        step_bytes = state["weight_bytes"]  # batch 1: the issue's bound, weights only
+        if args.batch > 1:
+            step_bytes += kv_cache_bytes(size, args.batch, args.prompt + args.new)
+        bound_ms = step_bytes / bandwidth * 1000
         row.update(bound_ms=bound_ms, step_of_bound=bound_ms / row["step_ms"],
                    loop_of_bound=bound_ms / row["loop_ms_per_token"])
     if first and args.device == "cuda":
@@ -246,7 +262,7 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
               f"{r['loop_ms_per_token']:11.3f} {1000 / r['loop_ms_per_token']:7.1f} {bound} {fa} {fb} "
               f"{r['compile_s']:9.1f} {r['graph_skips']:>5}")
     print("(a) compiled step alone (CUDA events over back-to-back calls); (b) the generate loop per "
-          "token; bound: weight bytes / measured copy bandwidth; skips: inductor cudagraph skips "
+          "token; bound: weight bytes (+ the KV cache at batch > 1) / measured copy bandwidth; skips: inductor cudagraph skips "
           "(0 = every step is one CUDA graph)")
 
 
@@ -255,6 +271,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--jobs", default=DEFAULT_JOBS, help="comma-separated SIZE:OPTIONS (see above)")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1, help="sequences per decode step")
     p.add_argument("--steps", type=int, default=100, help="steps timed in (a)")
     p.add_argument("--budget", type=float, default=225.0, help="seconds; later jobs are skipped")
     p.add_argument("--device", default="cuda")

@@ -15,6 +15,10 @@ Variants:
 * ``ds_hybrid``: DeepSpeed's ``hybrid_engine`` (its inference kernels are JIT-built on first
   use; a failure is reported as the row's error).
 
+``sw_hybrid@OPTIONS`` builds the hybrid engine's compiled decode step with ``DecodeOptions``
+(``+``-joined, as ``decode_probe.py --jobs`` takes them), e.g.
+``--variants sw_hybrid,sw_hybrid@attention=reduction,sw_zero3``.
+
 Reported per row: generation tokens/s (batch x new tokens / generate time, prefill included),
 train step time, switch time (train -> generate -> train: the gather + copy into the
 inference layout + release; 0 for plain ZeRO-3, which never switches), one full all-gather of
@@ -71,8 +75,19 @@ def _build(size: str, device: str) -> Any:
     return model
 
 
+def base_variant(variant: str) -> str:
+    """``sw_hybrid@attention=split`` -> ``sw_hybrid``."""
+    return variant.partition("@")[0]
+
+
+def label(variant: str) -> str:
+    base, _, options = variant.partition("@")
+    return LABELS[base] + (f" @{options}" if options else "")
+
+
 def _engine(size: str, variant: str, args: argparse.Namespace, max_tokens: int):
     model = _build(size, args.device)
+    variant, _, options = variant.partition("@")
     cfg = _config(size, variant, args, max_tokens)
     if variant.startswith("ds"):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -84,6 +99,9 @@ def _engine(size: str, variant: str, args: argparse.Namespace, max_tokens: int):
         return engine, deepspeed.zero.GatheredParameters
     import shardwise
     engine, *_ = shardwise.initialize(model=model, config=cfg)
+    if options:
+        from shardwise.inference.decode import DecodeOptions
+        engine.decode_options = DecodeOptions.parse(options)
     return engine, shardwise.zero.GatheredParameters
 
 
@@ -105,6 +123,7 @@ def _iteration(engine: Any, variant: str, ids: Any, new: int, train_batch: int, 
     _sync(device)
     gen_s = time.perf_counter() - t0
     switch_s = 0.0
+    variant = base_variant(variant)
     if variant == "sw_hybrid":
         switch_s = engine.generate_stats["gather_s"]
     elif variant == "ds_hybrid":
@@ -168,22 +187,22 @@ def _ratio(a: Optional[Dict[str, Any]], b: Optional[Dict[str, Any]], key: str) -
 
 
 def print_tables(rows: List[Dict[str, Any]]) -> None:
-    print(f"\n{'size':5} {'variant':24} {'B':>3} {'gen tok/s':>10} {'gen s':>7} {'train s':>8} "
+    print(f"\n{'size':5} {'variant':40} {'B':>3} {'gen tok/s':>10} {'gen s':>7} {'train s':>8} "
           f"{'switch s':>8} {'allgather s':>11} {'peak GiB':>8} {'1st iter s':>10}")
     for r in rows:
         if "error" in r:
-            print(f"{r['size']:5} {LABELS[r['variant']]:24} {r['batch']:>3} FAILED: {r['error']}")
+            print(f"{r['size']:5} {label(r['variant']):40} {r['batch']:>3} FAILED: {r['error']}")
             continue
-        print(f"{r['size']:5} {LABELS[r['variant']]:24} {r['batch']:>3} {r['gen_tok_s']:10.1f} "
+        print(f"{r['size']:5} {label(r['variant']):40} {r['batch']:>3} {r['gen_tok_s']:10.1f} "
               f"{r['gen_s']:7.2f} {r['train_s']:8.2f} {r['switch_s']:8.3f} {r['allgather_s']:11.3f} "
               f"{r['peak_gib']:8.1f} {r['first_iter_s']:10.1f}")
-    print(f"\nratios: {'size':5} {'B':>3} {'gen vs ZeRO-3 (>=10x)':>22} {'gen vs DeepSpeed (>=1.2x)':>26} "
-          f"{'switch / allgather (<=2x)':>26}")
+    print(f"\nratios: {'size':5} {'B':>3} {'variant':40} {'gen vs ZeRO-3 (>=10x)':>22} "
+          f"{'gen vs DeepSpeed (>=1.2x)':>26} {'switch / allgather (<=2x)':>26}")
     for r in rows:
-        if r["variant"] != "sw_hybrid" or "error" in r:
+        if base_variant(r["variant"]) != "sw_hybrid" or "error" in r:
             continue
         switch = f"{r['switch_s'] / r['allgather_s']:.2f}x" if r["allgather_s"] > 0 else "-"
-        print(f"        {r['size']:5} {r['batch']:>3} "
+        print(f"        {r['size']:5} {r['batch']:>3} {label(r['variant']):40} "
               f"{_ratio(r, _find(rows, r, 'sw_zero3'), 'gen_tok_s'):>22} "
               f"{_ratio(r, _find(rows, r, 'ds_hybrid'), 'gen_tok_s'):>26} {switch:>26}")
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from ..accelerator import get_accelerator
 from ..errors import ConfigError
 from ..utils.logging import log_dist, warn_once
+from ..inference.decode import DecodeOptions
 from ..inference.tp import TPPlan, make_plan
 from ..zero import GatheredParameters
 from .engine import ShardwiseEngine
@@ -76,6 +77,9 @@ class HybridEngine(ShardwiseEngine):
         self.is_lora_fused = False
         self.generate_stats: Dict[str, float] = {}
         """Ours: the last ``generate``'s gather_s, decode_s, new_tokens and copy_bytes."""
+        self.decode_options: Optional[DecodeOptions] = None
+        """Ours: how the inference copy's compiled decode step is built (``DecodeOptions``;
+        None: its defaults). Read when the copy is built, i.e. before the first ``generate``."""
 
     # --- the switch: gather, build or refresh the inference copy --------------------------
     def _all_params(self) -> List[torch.nn.Parameter]:
@@ -116,6 +120,8 @@ class HybridEngine(ShardwiseEngine):
                       f"generate() gathers the weights once per call and runs the module's own "
                       f"Hugging Face generate.")
             return None
+        if self.decode_options is not None:
+            self._copy.decoder.set_options(self.decode_options)
         if self.device.type == "cuda" and self._tp is None:
             self._copy.decoder.compile_step(cuda_graph=True)
         log_dist(f"hybrid_engine: inference copy built ({self._copy.nbytes() / 2**20:.1f} MiB, "

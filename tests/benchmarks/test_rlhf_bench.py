@@ -25,7 +25,19 @@ def test_ratio_table_comes_last(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert "FAILED: kernel build failed" in "\n".join(out)
     last = out[-1].split()
-    assert last[:2] == ["1.1b", "16"] and last[2] == "20.00x" and last[3] == "-" and last[4] == "1.50x"
+    assert last[:2] == ["1.1b", "16"] and last[-3:] == ["20.00x", "-", "1.50x"]
+
+
+def test_decode_options_variant_has_its_own_row_and_ratio(capsys):
+    bench = _bench()
+    assert bench.base_variant("sw_hybrid@attention=reduction+gemv=reduction") == "sw_hybrid"
+    rows = [_row("sw_hybrid", 3000.0, 0.03), _row("sw_hybrid@attention=reduction", 4500.0, 0.03),
+            _row("sw_zero3", 150.0)]
+    bench.print_tables(rows)
+    out = capsys.readouterr().out.strip().splitlines()
+    ratios = out[out.index(next(line for line in out if line.startswith("ratios:"))) + 1:]
+    assert [line.split()[-3] for line in ratios] == ["20.00x", "30.00x"]
+    assert "@attention=reduction" in ratios[1]
 
 
 def test_children_get_an_arch_list_deepspeed_can_parse(monkeypatch):

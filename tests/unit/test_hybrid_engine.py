@@ -132,3 +132,18 @@ def test_fuse_and_unfuse_lora_weight_in_place():
     assert torch.allclose(base, merged.model.layers[0].self_attn.q_proj.weight)
     engine.unfuse_lora_weight()
     assert not engine.is_lora_fused
+
+
+def test_decode_options_reach_the_inference_copy_and_tokens_stay_the_references():
+    from shardwise.inference.decode import DecodeOptions
+    model = tiny("llama")
+    reference = copy.deepcopy(model)
+    engine, *_ = shardwise.initialize(model=model, config=config(3, {}))
+    assert isinstance(engine, HybridEngine)
+    engine.decode_options = DecodeOptions.parse("attention=reduction+gemv=reduction")
+    ids, mask = prompts(2)
+    engine.eval()
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert engine._copy.decoder.options == DecodeOptions(attention="reduction", gemv="reduction")
+    want = reference.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)
