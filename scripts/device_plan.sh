@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# The GPU runs that the open issues still need, one 10-minute device call each, in the order
+# that closes the most per device-minute. A session has 30 device-minutes (three calls), so
+# take them from the top and strike what has run from RESULTS.md's "not run" list.
+#
+#   bash scripts/device_plan.sh list        # here: the calls, their issue and estimate
+#   bash scripts/device_plan.sh prepare     # here, once per session: wheels + the issue-19 trees
+#   device run:  command "bash scripts/device_plan.sh NAME"
+#                carry   [".whl", ".dev_before", ".dev_after"]   (the last two: issue19 only)
+#
+# Every call starts with the same environment (device_env below): the wheels installed into
+# /tmp/site, their imports checked before anything is timed (a session once lost a call to
+# "No module named 'pydantic'"), the arch list DeepSpeed 0.19.8 can parse, and a log under
+# $OUT/NAME.log (at most 8 files come back from $OUT: each call writes a log plus a few JSON
+# row files). Each benchmark's own --budget / --timeout keeps the call under ~570 s.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out/device_plan}"
+mkdir -p "$OUT"
+BEFORE=d43b3fd  # issue 19: the last commit before the stage-3 / offload reshape
+
+CALLS=(
+  "issue19     19  560 s  the reshape's before/after: offload rows, ABBA order, one script"
+  "issue21     21  560 s  NVMe optimizer offload in train_bench (sw/ds, GA 4) + io_bench 2G"
+  "issue21s    21  560 s  nvme_scale_bench: largest model under a 32 GiB host cap, CPU vs NVMe"
+  "issue26c    26  570 s  compiled vs compiled (1): fsdp2, sw z2, sw z3, each compiled and eager"
+  "issue26d    26  570 s  compiled vs compiled (2): ds z2, sw z3 offload DPU, compiled and eager"
+  "issue25     25  570 s  autotune_bench --quick: grid vs tuner vs DeepSpeed's autotuner"
+  "issue23     23  560 s  7B hybrid at batch 16 with decode options; 1.1B DeepSpeed hybrid"
+  "issue20p    20  500 s  decode_probe: the 7B batch-1 step's kernels and options"
+  "issue20a    20  560 s  infer_bench --preset call1 (1.1B matrix)"
+  "issue20b    20  560 s  infer_bench --preset call2 (7B matrix)"
+  "issue22     22  560 s  zero_inference_bench --plan issue22"
+  "issue26f    26  560 s  fp8_bench --quick"
+  "issue26s    26  570 s  scale_bench: shardwise vs DeepSpeed, exact-size pinning"
+  "gputests    all 560 s  the CUDA tests of the new paths (-v, one log)"
+)
+
+device_env() {
+  local name="$1"
+  exec > >(tee "$OUT/$name.log") 2>&1
+  echo "== $name  $(date -u +%FT%TZ)"
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || { echo "FATAL: wheel install failed"; exit 3; }
+  fi
+  # /tmp/site only: every benchmark puts its own tree's shardwise first on sys.path
+  # (issue19 runs two trees), and pytest runs from the repository root.
+  export PYTHONPATH=/tmp/site
+  # DeepSpeed 0.19.8's op builder parses "9.0a" as int('0a'); benchmark children get the
+  # cleaned list from _child_run.child_env, direct DeepSpeed use gets it here.
+  if [ -n "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+    export TORCH_CUDA_ARCH_LIST="$(echo "$TORCH_CUDA_ARCH_LIST" | sed -E 's/([0-9]+\.[0-9]+)[a-z]/\1/g')"
+  fi
+  python3 - <<'EOF' || { echo "FATAL: imports"; exit 3; }
+import importlib, sys
+import torch
+need = ["pydantic", "hjson", "transformers", "shardwise"]
+missing = [m for m in need if importlib.util.find_spec(m) is None]
+optional = {m: importlib.util.find_spec(m) is not None for m in ("deepspeed", "torchao", "kvikio")}
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+print(f"torch {torch.__version__}, {gpu}, python {sys.version.split()[0]}, optional {optional}")
+if missing:
+    sys.exit(f"missing: {missing} (copy the wheels: bash scripts/prepare_device_wheels.sh, carry .whl)")
+EOF
+  df -h . /tmp | tail -n +2
+  free -g | head -2
+}
+
+prepare() {
+  bash scripts/prepare_device_wheels.sh
+  rm -rf .dev_before .dev_after
+  mkdir -p .dev_before .dev_after
+  git archive "$BEFORE" shardwise benchmarks | tar -x -C .dev_before
+  git archive "$BEFORE" benchmarks | tar -x -C .dev_after
+  git archive HEAD shardwise | tar -x -C .dev_after
+  grep -qx '/.dev_\*/' .gitignore || echo "note: .dev_*/ must stay git-ignored"
+  du -sh .whl .dev_before .dev_after
+}
+
+tb() { python3 benchmarks/train_bench.py "$@"; }
+
+run_issue19() {
+  [ -d .dev_before ] && [ -d .dev_after ] || { echo "FATAL: run 'prepare' here and carry .dev_*"; exit 3; }
+  local v=sw_z2_offload,sw_z3_offload,sw_z3_offload_dpu n=1
+  for tree in before after after before; do  # ABBA: drift of the host cancels out
+    timeout 140 python3 ".dev_$tree/benchmarks/train_bench.py" --variants "$v" --warmup 3 \
+      --steps 8 --timeout 60 --out "$OUT/i19_${n}_$tree.json" || echo "($tree round $n: rc $?)"
+    n=$((n + 1))
+  done
+}
+
+run_issue21() {
+  tb --variants sw_z3_offload,sw_z3_nvme,sw_z2_nvme,ds_z3_nvme --grad-accum 4 --warmup 1 \
+    --steps 3 --nvme-path "$PWD/out/nvme_swap" --ds-prebuild --timeout 150 \
+    --out "$OUT/i21_train.json"
+  timeout 120 python3 benchmarks/io_bench.py --size 2G --dir "$PWD/out/io" || echo "io_bench rc $?"
+}
+
+run_issue21s() {
+  python3 benchmarks/nvme_scale_bench.py --nvme-path "$PWD/out/nvme_scale" --max-seconds 540 \
+    --out "$OUT/i21_scale.json"
+}
+
+# Issue 26 wants the compiled variants and their eager twins in one run; ten 1.1B variants
+# (five compiled, ~100 s each) do not fit one call, so two calls share sw_z2_compile as anchor.
+run_issue26c() {
+  tb --variants sw_z2_compile,fsdp2_compile,sw_z3_compile,fsdp2,sw_z2,sw_z3 \
+    --grad-accum 4 --warmup 2 --steps 3 --timeout 140 --out "$OUT/i26_compile_1.json"
+}
+
+run_issue26d() {
+  tb --variants sw_z2_compile,ds_z2_compile,ds_z2,sw_z3_offload_dpu_compile,sw_z3_offload_dpu \
+    --grad-accum 4 --warmup 2 --steps 3 --ds-prebuild --timeout 120 --out "$OUT/i26_compile_2.json"
+}
+
+run_issue25() {
+  local work="$PWD/out/autotune"
+  timeout 470 python3 benchmarks/autotune_bench.py --quick --skip-deepspeed --work-dir "$work" \
+    --trial-timeout 90
+  cp "$work/quick/autotune_bench.json" "$OUT/i25_grid_tuner.json" || true
+  # DeepSpeed's autotuner on the same space: its trials, wall time and pick, or its exact error
+  timeout 90 python3 benchmarks/autotune_bench.py --quick --skip-grid --skip-tuner \
+    --ds-timeout 80 --work-dir "$work"
+  cp "$work/quick/autotune_bench.json" "$OUT/i25_deepspeed.json" || true
+}
+
+run_issue23() {
+  python3 benchmarks/rlhf_bench.py --sizes 7b --batches 16 --repeats 1 --timeout 170 \
+    --variants sw_hybrid,sw_hybrid@attention=reduction,sw_zero3 --out "$OUT/i23_rows.json"
+  python3 benchmarks/rlhf_bench.py --sizes 1.1b --batches 16 --repeats 1 --timeout 150 \
+    --variants ds_hybrid --out "$OUT/i23_rows.json"
+}
+
+run_issue20p() {
+  python3 benchmarks/decode_probe.py --budget 230
+  python3 benchmarks/decode_probe.py --jobs 7b:base,7b:attention=reduction --batch 16 \
+    --prompt 256 --new 256 --budget 200
+}
+
+run_issue20a() { python3 benchmarks/infer_bench.py --preset call1 --budget 540 --out "$OUT/infer_call1.json"; }
+run_issue20b() { python3 benchmarks/infer_bench.py --preset call2 --budget 540 --out "$OUT/infer_call2.json"; }
+
+run_issue22() {
+  python3 benchmarks/zero_inference_bench.py --plan issue22 --budget-s 480 --timeout 150 \
+    --nvme-path /tmp/zi_nvme --out "$OUT/i22_rows.json"
+}
+
+run_issue26f() { python3 benchmarks/fp8_bench.py --quick --out "$OUT/i26_fp8.json"; }
+
+run_issue26s() {
+  python3 benchmarks/scale_bench.py --sw-layers 32,36 --ds-layers 20,24 --ds-prebuild \
+    --exact-pin --timeout 170 --out "$OUT/i26_scale.json"
+}
+
+run_gputests() {
+  timeout 560 python3 -m pytest -v -p no:cacheprovider \
+    tests/gpu/test_pinned_gpu.py tests/gpu/test_checkpoint_gpu.py tests/gpu/test_nvme_offload_gpu.py \
+    tests/gpu/test_nvme_param_gpu.py tests/gpu/test_zero3_compile_gpu.py \
+    tests/gpu/test_hybrid_engine_gpu.py tests/gpu/test_zero_inference_gpu.py \
+    tests/gpu/test_inference_gpu.py 2>&1 | tail -n 300
+}
+
+case "${1:-list}" in
+  list)
+    printf '%-11s %-5s %-7s %s\n' call issue budget what
+    for c in "${CALLS[@]}"; do echo "$c"; done ;;
+  prepare) prepare ;;
+  *)
+    name="$1"
+    if ! declare -F "run_$name" > /dev/null; then
+      echo "unknown call '$name'; calls: $(for c in "${CALLS[@]}"; do printf '%s ' "${c%% *}"; done)"
+      exit 2
+    fi
+    device_env "$name"
+    start=$(date +%s)
+    "run_$name"
+    echo "== $name done in $(( $(date +%s) - start )) s" ;;
+esac
