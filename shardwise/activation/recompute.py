@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from .. import comm
 from ..accelerator import get_accelerator
 from ..errors import ConfigError
 from .cpu_offload import HostCopy, tensor_bytes
@@ -176,7 +176,7 @@ class _Partitioned:
         world = STATE.mp_world_size()
         if world > 1:
             pieces = [torch.empty_like(part) for _ in range(world)]
-            dist.all_gather(pieces, part.contiguous(), group=STATE.mpu.get_model_parallel_group())
+            comm.all_gather(pieces, part.contiguous(), group=STATE.mpu.get_model_parallel_group())
             part = torch.cat(pieces)
         full = part[: self.numel].view(self.shape).clone()
         return full.requires_grad_(self.requires_grad)

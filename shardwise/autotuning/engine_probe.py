@@ -172,10 +172,10 @@ def _shape_of(module: torch.nn.Module) -> Dict[str, Any]:
 
 def _exit() -> None:
     """Leave the trial cleanly: flush, close the process group, exit 0 (DeepSpeed exits too)."""
-    import torch.distributed as dist
+    from .. import comm
     sys.stdout.flush()
     sys.stderr.flush()
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if comm.is_initialized():
+        comm.barrier()
+        comm.destroy_process_group()
     sys.exit(0)

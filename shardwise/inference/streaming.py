@@ -392,15 +392,12 @@ class LayerStreamer:
 
     def _gather(self, img: LayerImage, host: torch.Tensor, slot: int, non_blocking: bool) -> None:
         """World size > 1: copy this rank's shard up, all-gather the layer, expand if quantized."""
-        import torch.distributed as dist
+        from ..comm.collectives import all_gather_flat
         own = self.own[slot][:host.numel()]
         own.copy_(host, non_blocking=non_blocking)
         dest = self.slots[slot] if img.quant is None else self.staging[slot]
         dest = dest[:img.world * host.numel()]
-        if dest.is_cuda:  # NCCL: straight into the slot
-            dist.all_gather_into_tensor(dest, own, group=self.settings.group)
-        else:  # gloo
-            dist.all_gather(list(dest.chunk(img.world)), own, group=self.settings.group)
+        all_gather_flat(dest, own, group=self.settings.group)  # (comm/ falls back on gloo)
         if img.quant is not None:
             img.expand(dest, self.slots[slot])
 

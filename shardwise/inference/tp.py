@@ -81,7 +81,8 @@ def all_reduce(x: torch.Tensor, plan: TPPlan) -> torch.Tensor:
         import torch.distributed._functional_collectives as funcol
         group = plan.group if plan.group is not None else dist.group.WORLD
         return funcol.all_reduce(x, "sum", group)
-    dist.all_reduce(x, group=plan.group)
+    from .. import comm
+    comm.all_reduce(x, group=plan.group)
     return x
 
 

@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..accelerator import get_accelerator
 from ..errors import ConfigError
 from ..utils.logging import log_dist, warn_once
@@ -197,7 +198,7 @@ class HybridEngine(ShardwiseEngine):
         mask = torch.ones_like(ids) if mask is None else mask
         shape = torch.tensor(ids.shape, device=ids.device)
         shapes = [torch.empty_like(shape) for _ in range(tp.size)]
-        dist.all_gather(shapes, shape, group=tp.group)
+        comm.all_gather(shapes, shape, group=tp.group)
         if any(not torch.equal(s, shape) for s in shapes):
             raise ConfigError(f"hybrid_engine.inference_tp_size = {tp.size}: every rank of a "
                               f"tensor-parallel group must pass prompts of the same shape; got "
@@ -205,10 +206,10 @@ class HybridEngine(ShardwiseEngine):
                               f"and use the same batch size on every rank.")
         all_ids = [torch.empty_like(ids) for _ in range(tp.size)]
         all_mask = [torch.empty_like(mask) for _ in range(tp.size)]
-        dist.all_gather(all_ids, ids.contiguous(), group=tp.group)
-        dist.all_gather(all_mask, mask.contiguous(), group=tp.group)
+        comm.all_gather(all_ids, ids.contiguous(), group=tp.group)
+        comm.all_gather(all_mask, mask.contiguous(), group=tp.group)
         seed = torch.randint(0, 2**62, (1,), device=ids.device)  # one sampling stream per group
-        dist.broadcast(seed, src=dist.get_global_rank(tp.group, 0) if tp.group is not None else 0,
+        comm.broadcast(seed, src=dist.get_global_rank(tp.group, 0) if tp.group is not None else 0,
                        group=tp.group)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):

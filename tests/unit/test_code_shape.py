@@ -62,3 +62,26 @@ def test_the_function_walk_sees_methods_and_nested_functions(tmp_path: Path) -> 
     src.write_text("class A:\n    def f(self):\n        def g():\n            pass\n"
                    "        return g\n\ndef h():\n    pass\n", encoding="utf-8")
     assert dict(_functions(src)) == {"A.f": 4, "A.f.g": 2, "h": 2}
+
+
+#: torch.distributed collectives; outside ``shardwise/comm/`` they go through ``shardwise.comm``
+#: (its gloo fallbacks and the comms logger see them). Functional collectives inside compiled
+#: regions (``_functional_collectives``) are not these calls.
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "reduce_scatter", "broadcast", "reduce", "barrier", "send", "recv", "isend", "irecv",
+               "all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object",
+               "broadcast_object_list")
+
+
+def test_collectives_outside_comm_go_through_comm():
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if (ROOT / "comm") in path.parents:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in COLLECTIVES and isinstance(node.func.value, ast.Name) \
+                    and node.func.value.id == "dist":
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} dist.{node.func.attr}")
+    assert not offenders, "collectives outside shardwise/comm/: " + ", ".join(offenders)
