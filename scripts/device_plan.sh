@@ -25,6 +25,7 @@ CALLS=(
   "issue21s    21  560 s  nvme_scale_bench: largest model under a 32 GiB host cap, CPU vs NVMe"
   "issue26c    26  570 s  compiled vs compiled (1): fsdp2, sw z2, sw z3, each compiled and eager"
   "issue26d    26  570 s  compiled vs compiled (2): ds z2, sw z3 offload DPU, compiled and eager"
+  "issue26l    26  450 s  the same learning: loss curves of fsdp2/ds/sw (eager and compiled), 50 steps"
   "issue25     25  570 s  autotune_bench --quick: grid vs tuner vs DeepSpeed's autotuner"
   "issue23     23  560 s  7B hybrid at batch 16 with decode options; 1.1B DeepSpeed hybrid"
   "issue20p    20  500 s  decode_probe: the 7B batch-1 step's kernels and options"
@@ -112,6 +113,14 @@ run_issue26c() {
 run_issue26d() {
   tb --variants sw_z2_compile,ds_z2_compile,ds_z2,sw_z3_offload_dpu_compile,sw_z3_offload_dpu \
     --grad-accum 4 --warmup 2 --steps 3 --ds-prebuild --timeout 120 --out "$OUT/i26_compile_2.json"
+}
+
+# Issue 26: a speed ratio between runs that learn differently is not fair; the loss table
+# (after the speed table) compares every variant's first 50 losses with fsdp2's.
+run_issue26l() {
+  tb --variants fsdp2,ds_z2,sw_z2,sw_z3,sw_z2_compile,sw_z3_compile --grad-accum 1 --warmup 2 \
+    --steps 48 --loss-steps 50 --loss-ref fsdp2 --ds-prebuild --timeout 130 \
+    --out "$OUT/i26_loss.json"
 }
 
 run_issue25() {
