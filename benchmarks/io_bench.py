@@ -13,8 +13,10 @@ Rows (each writes then reads ``--size`` bytes in a test file under ``--dir``, re
   offload does), when a GPU is present.
 - ``shardwise gds``: kvikio (GPUDirect Storage), when kvikio imports.
 - ``deepspeed aio``: DeepSpeed's own ``aio_handle`` (ds_io's engine) timed the same way, when
-  its async_io op builds; it needs libaio (``libaio-dev``), which the GPU machine lacks, so
-  the row usually says why it was skipped.
+  its async_io op builds; it needs libaio, which the GPU machine's image lacks:
+  ``scripts/device_plan.sh`` carries Debian's libaio1/libaio-dev (``.aio/``) and points the
+  compiler and loader at them (CPATH, LIBRARY_PATH, LD_LIBRARY_PATH); without them the row
+  says why it was skipped.
 
 ::
 
@@ -88,7 +90,8 @@ def deepspeed_row(folder: Path, size: int) -> Dict[str, Any]:
         builder = AsyncIOBuilder()
         if not builder.is_compatible(verbose=False):
             return _row(name, None, None, "DeepSpeed's async_io op cannot build here: libaio "
-                                          "(libaio-dev / libaio1t64) is not installed")
+                                          "(libaio-dev / libaio1t64) is not installed; carry "
+                                          "it: scripts/device_plan.sh prepare, .aio")
         handle = builder.load(verbose=False).aio_handle(1 << 20, 8, False, True, 1)
     except Exception as exc:
         return _row(name, None, None, f"unavailable: {type(exc).__name__}: {exc}"[:200])

@@ -6,11 +6,13 @@
 #   bash scripts/device_plan.sh list        # here: the calls, their issue and estimate
 #   bash scripts/device_plan.sh prepare     # here, once per session: wheels + the issue-19 trees
 #   device run:  command "bash scripts/device_plan.sh NAME"
-#                carry   [".whl", ".dev_before", ".dev_after"]   (the last two: issue19 only)
+#                carry   [".whl", ".aio", ".dev_before", ".dev_after"]   (.dev_*: issue19 only)
 #
 # Every call starts with the same environment (device_env below): the wheels installed into
 # /tmp/site, their imports checked before anything is timed (a session once lost a call to
-# "No module named 'pydantic'"), the arch list DeepSpeed 0.19.8 can parse, and a log under
+# "No module named 'pydantic'"), the arch list DeepSpeed 0.19.8 can parse, libaio unpacked
+# from Debian's packages so DeepSpeed's async_io op (its NVMe offload, ds_io) can build
+# there (the image has no libaio; issue 21 says to carry it), and a log under
 # $OUT/NAME.log (at most 8 files come back from $OUT: each call writes a log plus a few JSON
 # row files). Each benchmark's own --budget / --timeout keeps the call under ~570 s.
 set -uo pipefail
@@ -48,6 +50,7 @@ device_env() {
   # /tmp/site only: every benchmark puts its own tree's shardwise first on sys.path
   # (issue19 runs two trees), and pytest runs from the repository root.
   export PYTHONPATH=/tmp/site
+  export TORCH_EXTENSIONS_DIR="$PWD/out/torch_extensions"  # DeepSpeed's JIT ops, built once per machine
   # DeepSpeed 0.19.8's op builder parses "9.0a" as int('0a'); benchmark children get the
   # cleaned list from _child_run.child_env, direct DeepSpeed use gets it here.
   if [ -n "${TORCH_CUDA_ARCH_LIST:-}" ]; then
@@ -64,19 +67,29 @@ print(f"torch {torch.__version__}, {gpu}, python {sys.version.split()[0]}, optio
 if missing:
     sys.exit(f"missing: {missing} (copy the wheels: bash scripts/prepare_device_wheels.sh, carry .whl)")
 EOF
+  if compgen -G ".aio/*.deb" > /dev/null; then  # headers + libaio.so for DeepSpeed's JIT build
+    for f in .aio/*.deb; do dpkg -x "$f" /tmp/aio; done
+    export CPATH="/tmp/aio/usr/include${CPATH:+:$CPATH}"
+    export LIBRARY_PATH="/tmp/aio/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}"
+    export LD_LIBRARY_PATH="/tmp/aio/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "libaio from .aio/: $(ls .aio)"
+  fi
   df -h . /tmp | tail -n +2
   free -g | head -2
 }
 
 prepare() {
   bash scripts/prepare_device_wheels.sh
+  mkdir -p .aio  # Debian's libaio (this machine is Debian; libaio.so.1 needs only libc)
+  compgen -G ".aio/libaio-dev_*.deb" > /dev/null || (cd .aio && apt-get download libaio1 libaio-dev)
   rm -rf .dev_before .dev_after
   mkdir -p .dev_before .dev_after
   git archive "$BEFORE" shardwise benchmarks | tar -x -C .dev_before
   git archive "$BEFORE" benchmarks | tar -x -C .dev_after
   git archive HEAD shardwise | tar -x -C .dev_after
   grep -qx '/.dev_\*/' .gitignore || echo "note: .dev_*/ must stay git-ignored"
-  du -sh .whl .dev_before .dev_after
+  grep -qx '/.aio/' .gitignore || echo "note: .aio/ must stay git-ignored"
+  du -sh .whl .aio .dev_before .dev_after
 }
 
 tb() { python3 benchmarks/train_bench.py "$@"; }
@@ -92,10 +105,12 @@ run_issue19() {
 }
 
 run_issue21() {
+  # io_bench first: its DeepSpeed row JIT-builds the async_io op that ds_z3_nvme needs
+  timeout 200 python3 benchmarks/io_bench.py --size 2G --dir "$PWD/out/io" --out "$OUT/i21_io.json" \
+    || echo "io_bench rc $?"
   tb --variants sw_z3_offload,sw_z3_nvme,sw_z2_nvme,ds_z3_nvme --grad-accum 4 --warmup 1 \
     --steps 3 --nvme-path "$PWD/out/nvme_swap" --ds-prebuild --timeout 150 \
     --out "$OUT/i21_train.json"
-  timeout 120 python3 benchmarks/io_bench.py --size 2G --dir "$PWD/out/io" || echo "io_bench rc $?"
 }
 
 run_issue21s() {
