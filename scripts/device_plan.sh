@@ -8,13 +8,20 @@
 #   device run:  command "bash scripts/device_plan.sh NAME"
 #                carry   [".whl", ".aio", ".dev_before", ".dev_after"]   (.dev_*: issue19 only)
 #
+# On a machine with several GPUs, `bash scripts/device_plan.sh parallel NAME NAME ...` runs
+# up to one call per GPU at once (CUDA_VISIBLE_DEVICES=i, its own share of the cores through
+# taskset, its own MASTER_PORT): device time counts the machine, not its GPUs. Keep the calls
+# whose numbers depend on the host (issue19's offload rows, issue21/issue22's disk, issue26s's
+# host RAM) for a call of their own.
+#
 # Every call starts with the same environment (device_env below): the wheels installed into
 # /tmp/site, their imports checked before anything is timed (a session once lost a call to
 # "No module named 'pydantic'"), the arch list DeepSpeed 0.19.8 can parse, libaio unpacked
 # from Debian's packages so DeepSpeed's async_io op (its NVMe offload, ds_io) can build
 # there (the image has no libaio; issue 21 says to carry it), and a log under
-# $OUT/NAME.log (at most 8 files come back from $OUT: each call writes a log plus a few JSON
-# row files). Each benchmark's own --budget / --timeout keeps the call under ~570 s.
+# $OUT/NAME/NAME.log next to its JSON rows; a call that ends packs that folder into
+# $OUT/NAME.tgz (at most 8 files come back from $OUT, so one archive per call). Each
+# benchmark's own --budget / --timeout keeps the call under ~570 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out/device_plan}"
@@ -22,6 +29,7 @@ mkdir -p "$OUT"
 BEFORE=d43b3fd  # issue 19: the last commit before the stage-3 / offload reshape
 
 CALLS=(
+  "selftest    -    20 s  the environment alone: wheels, imports, libaio, packing"
   "issue19     19  560 s  the reshape's before/after: offload rows, ABBA order, one script"
   "issue21     21  560 s  NVMe optimizer offload in train_bench (sw/ds, GA 4) + io_bench 2G"
   "issue21s    21  560 s  nvme_scale_bench: largest model under a 32 GiB host cap, CPU vs NVMe"
@@ -29,7 +37,8 @@ CALLS=(
   "issue26d    26  570 s  compiled vs compiled (2): ds z2, sw z3 offload DPU, compiled and eager"
   "issue26l    26  450 s  the same learning: loss curves of fsdp2/ds/sw (eager and compiled), 50 steps"
   "issue25     25  570 s  autotune_bench --quick: grid vs tuner vs DeepSpeed's autotuner"
-  "issue23     23  560 s  7B hybrid at batch 16 with decode options; 1.1B DeepSpeed hybrid"
+  "issue23     23  560 s  7B hybrid at batch 16 with decode options vs ZeRO-3 generate"
+  "issue23d    23  560 s  DeepSpeed's hybrid engine at 1.1B (its inference kernels JIT-built)"
   "issue20p    20  500 s  decode_probe: the 7B batch-1 step's kernels and options"
   "issue20a    20  560 s  infer_bench --preset call1 (1.1B matrix)"
   "issue20b    20  560 s  infer_bench --preset call2 (7B matrix)"
@@ -41,8 +50,7 @@ CALLS=(
 
 device_env() {
   local name="$1"
-  exec > >(tee "$OUT/$name.log") 2>&1
-  echo "== $name  $(date -u +%FT%TZ)"
+  echo "== $name  $(date -u +%FT%TZ)  GPU ${CUDA_VISIBLE_DEVICES:-all}"
   if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || { echo "FATAL: wheel install failed"; exit 3; }
@@ -59,9 +67,9 @@ device_env() {
   python3 - <<'EOF' || { echo "FATAL: imports"; exit 3; }
 import importlib, sys
 import torch
-need = ["pydantic", "hjson", "transformers", "shardwise"]
-missing = [m for m in need if importlib.util.find_spec(m) is None]
 optional = {m: importlib.util.find_spec(m) is not None for m in ("deepspeed", "torchao", "kvikio")}
+need = ["pydantic", "transformers", "shardwise"] + (["hjson"] if optional["deepspeed"] else [])
+missing = [m for m in need if importlib.util.find_spec(m) is None]
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
 print(f"torch {torch.__version__}, {gpu}, python {sys.version.split()[0]}, optional {optional}")
 if missing:
@@ -93,6 +101,13 @@ prepare() {
 }
 
 tb() { python3 benchmarks/train_bench.py "$@"; }
+
+run_selftest() {
+  python3 -c "import shardwise, sys; print('shardwise', shardwise.__version__, 'from', shardwise.__file__)"
+  if python3 -c "import deepspeed" 2> /dev/null && [ -d /tmp/aio ]; then
+    timeout 300 python3 -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; print('ds aio compatible:', B().is_compatible())"
+  fi
+}
 
 run_issue19() {
   [ -d .dev_before ] && [ -d .dev_after ] || { echo "FATAL: run 'prepare' here and carry .dev_*"; exit 3; }
@@ -149,11 +164,16 @@ run_issue25() {
   cp "$work/quick/autotune_bench.json" "$OUT/i25_deepspeed.json" || true
 }
 
+# 7B at batch 16 was 8.9x plain ZeRO-3 (target 10x): the decode step's options side by side
 run_issue23() {
-  python3 benchmarks/rlhf_bench.py --sizes 7b --batches 16 --repeats 1 --timeout 170 \
-    --variants sw_hybrid,sw_hybrid@attention=reduction,sw_zero3 --out "$OUT/i23_rows.json"
-  python3 benchmarks/rlhf_bench.py --sizes 1.1b --batches 16 --repeats 1 --timeout 150 \
-    --variants ds_hybrid --out "$OUT/i23_rows.json"
+  python3 benchmarks/rlhf_bench.py --sizes 7b --batches 16 --repeats 1 --timeout 150 \
+    --variants sw_zero3,sw_hybrid,sw_hybrid@attention=reduction,sw_hybrid@max_autotune=true \
+    --out "$OUT/i23_rows.json"
+}
+
+run_issue23d() {
+  python3 benchmarks/rlhf_bench.py --sizes 1.1b --batches 16 --repeats 1 --timeout 540 \
+    --variants ds_hybrid --out "$OUT/i23_ds_rows.json"
 }
 
 run_issue20p() {
@@ -190,14 +210,33 @@ case "${1:-list}" in
     printf '%-11s %-5s %-7s %s\n' call issue budget what
     for c in "${CALLS[@]}"; do echo "$c"; done ;;
   prepare) prepare ;;
+  parallel)
+    shift
+    gpus=$(nvidia-smi -L 2> /dev/null | wc -l)
+    [ "$#" -ge 1 ] && [ "$#" -le "$gpus" ] || { echo "parallel: 1 to $gpus calls (one per GPU)"; exit 2; }
+    per=$(( $(nproc) / gpus )) i=0
+    for name in "$@"; do
+      CUDA_VISIBLE_DEVICES=$i MASTER_PORT=$((29600 + 50 * i)) \
+        taskset -c "$((i * per))-$((i * per + per - 1))" bash "$0" "$name" > /dev/null 2>&1 &
+      i=$((i + 1))
+    done
+    wait
+    for name in "$@"; do echo "== $name"; tar -xzOf "$OUT/$name.tgz" "$name/$name.log" 2>/dev/null | tail -n 25; done ;;
   *)
     name="$1"
     if ! declare -F "run_$name" > /dev/null; then
       echo "unknown call '$name'; calls: $(for c in "${CALLS[@]}"; do printf '%s ' "${c%% *}"; done)"
       exit 2
     fi
-    device_env "$name"
-    start=$(date +%s)
-    "run_$name"
-    echo "== $name done in $(( $(date +%s) - start )) s" ;;
+    export OUT="$OUT/$name"  # this call's log and rows; packed into one archive at the end
+    mkdir -p "$OUT"
+    (
+      device_env "$name"
+      start=$(date +%s)
+      "run_$name"
+      echo "== $name done in $(( $(date +%s) - start )) s"
+    ) 2>&1 | tee "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+    tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$name" && rm -rf "$OUT"
+    exit "$rc" ;;
 esac

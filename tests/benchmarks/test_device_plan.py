@@ -51,3 +51,37 @@ def test_every_flag_and_variant_in_the_plan_is_the_benchmarks_own():
             assert values["--preset"] in load_bench(name).PRESETS
         if "--plan" in values:
             assert values["--plan"] in load_bench(name).PLANS
+
+
+def test_a_call_checks_its_environment_and_packs_its_folder(tmp_path):
+    import tarfile
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "device_plan.sh").write_text(PLAN.read_text())
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "device_plan.sh"), "selftest"],
+                          capture_output=True, text=True, env={**__import__("os").environ, "OUT": str(out)},
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "shardwise" in done.stdout and "== selftest done" in done.stdout
+    with tarfile.open(out / "selftest.tgz") as archive:
+        log = archive.extractfile("selftest/selftest.log").read().decode()
+    assert "torch " in log and "== selftest done" in log
+    assert not (out / "selftest").exists()  # only the archive is left to come back
+
+
+def test_parallel_runs_each_call_on_its_own_gpu_and_cores(tmp_path):
+    import os
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "device_plan.sh").write_text(PLAN.read_text())
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: fake'\necho 'GPU 1: fake'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{fake}:{os.environ['PATH']}"}
+    plan = ["bash", str(tmp_path / "scripts" / "device_plan.sh"), "parallel"]
+    done = subprocess.run(plan + ["selftest"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "== selftest done" in done.stdout, done.stdout + done.stderr
+    assert "GPU 0" in done.stdout and (tmp_path / "out" / "selftest.tgz").exists()
+    too_many = subprocess.run(plan + ["selftest", "issue20a", "issue20b"], capture_output=True,
+                              text=True, env=env, timeout=60)
+    assert too_many.returncode == 2 and "1 to 2 calls" in too_many.stdout
