@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import shardwise.accelerator
 from shardwise.checkpoint import format as fmt
 from shardwise.checkpoint.engine_state import _inner_optimizer
 from shardwise.checkpoint.format import SliceFileReader, TensorItem, write_safetensors
@@ -36,7 +37,10 @@ def test_device_tensors_write_the_bytes_of_their_host_copies(tmp_path, monkeypat
     lazy = {k: (lambda v=v: v.clone()) for k, v in tensors.items()}  # temporaries, freed after use
     dev_items = [TensorItem(k, v.dtype, list(v.shape), lazy[k]) for k, v in tensors.items()]
     dev = write_safetensors(tmp_path / "dev.safetensors", dev_items)
-    assert pinned and all(pinned) and len(pinned) <= fmt._ring_slots()
+    # (failed once in a full tests/gpu run and passed alone: say which part, next time)
+    assert pinned and all(pinned) and len(pinned) <= fmt._ring_slots(), \
+        f"ring buffers pinned: {pinned}, ring slots {fmt._ring_slots()}, " \
+        f"accelerator {shardwise.accelerator.get_accelerator()!r}"
     host = {k: v.cpu() for k, v in tensors.items()}
     host_items = [TensorItem(k, v.dtype, list(v.shape), v) for k, v in host.items()]
     ref = write_safetensors(tmp_path / "host.safetensors", host_items)
