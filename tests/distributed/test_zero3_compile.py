@@ -18,7 +18,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 
-transformers = pytest.importorskip("transformers")
+import transformers
 if not torch._dynamo.is_dynamo_supported():  # e.g. a Python newer than this torch's dynamo
     pytest.skip("dynamo is not supported here", allow_module_level=True)
 

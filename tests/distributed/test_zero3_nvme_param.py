@@ -80,7 +80,7 @@ def _check(result: dict, kind: str, world: int) -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "opt"])
+@pytest.mark.parametrize("kind", [pytest.param("llama-gqa", marks=pytest.mark.windows), "opt"])
 def test_nvme_params_train_like_plain_torch(kind: str, tmp_path: Path) -> None:
     _check(_train(0, 1, kind, str(tmp_path)), kind, world=1)
     assert not swap_files(str(tmp_path))
@@ -94,7 +94,7 @@ def test_nvme_params_train_like_plain_torch_world2(kind: str, tmp_path: Path) ->
     assert not swap_files(str(tmp_path))
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "opt"])
+@pytest.mark.parametrize("kind", [pytest.param("llama-gqa", marks=pytest.mark.windows), "opt"])
 def test_nvme_params_without_optimizer_generate_plain_tokens(kind: str, tmp_path: Path) -> None:
     """The parameters-only route (initialize without an optimizer, ZeRO-Inference style)."""
     import shardwise

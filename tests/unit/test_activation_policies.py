@@ -140,7 +140,7 @@ def test_remove_deepcopy_and_errors():
 
 
 def _tiny_llama():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                                    use_cache=False, attention_dropout=0.0)

@@ -67,7 +67,7 @@ class TrackRetained(TorchDispatchMode):
 
 
 def _llama(hidden=256, layers=2, inter=704, heads=8, kv=2, vocab=64, dtype=torch.float32):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = transformers.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
                                    num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
                                    use_cache=False, attn_implementation="sdpa")

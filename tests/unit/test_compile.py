@@ -14,7 +14,7 @@ from shardwise.config import CompileConfig, load_config
 from shardwise.errors import ConfigError
 from shardwise.runtime import compile as C
 
-pytest.importorskip("torch._dynamo")
+import torch._dynamo  # noqa: F401  (a test dependency: missing fails)
 if not torch._dynamo.is_dynamo_supported():  # e.g. a Python newer than this torch's dynamo
     pytest.skip("dynamo is not supported here", allow_module_level=True)
 

@@ -33,7 +33,8 @@ def test_config_keys_and_defaults_are_deepspeeds():
     assert not any("hybrid_engine" in w for w in loaded.warnings)
 
 
-@pytest.mark.parametrize("family,stage", [("llama", 3), ("opt", 3), ("llama", 2), ("opt", 2), ("gpt2", 1)])
+@pytest.mark.parametrize("family,stage", [pytest.param("llama", 3, marks=pytest.mark.windows),
+                                          ("opt", 3), ("llama", 2), ("opt", 2), ("gpt2", 1)])
 def test_generate_matches_reference_before_and_after_steps(family, stage):
     _check(scenario(0, 1, family, stage))
 
@@ -92,7 +93,7 @@ def test_unsupported_generate_settings_fall_back_to_hf_generate():
 
 
 def _lora_model():
-    peft = pytest.importorskip("peft")  # optional third-party package
+    import peft
     model = tiny("llama")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
                            init_lora_weights=False)

@@ -12,7 +12,7 @@ from tests.monitor_utils import initialize, monitor_config, train
 
 
 def test_wandb_offline_run_writes_its_local_files(tmp_path, monkeypatch) -> None:
-    pytest.importorskip("wandb")  # optional third-party package
+    import wandb  # a test dependency: missing fails
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -21,7 +21,6 @@ def test_wandb_offline_run_writes_its_local_files(tmp_path, monkeypatch) -> None
                                                         "group": "unit"}))
     train(engine, steps=2)
     engine.destroy()  # flush and finish the run
-    import wandb
     wandb.teardown()  # stop wandb's service process, which writes the run file
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, list(tmp_path.rglob("*"))
@@ -34,7 +33,7 @@ def test_wandb_offline_run_writes_its_local_files(tmp_path, monkeypatch) -> None
 
 
 def test_comet_offline_experiment_writes_its_archive(tmp_path, monkeypatch) -> None:
-    pytest.importorskip("comet_ml")  # optional third-party package
+    import comet_ml  # noqa: F401  (a test dependency: missing fails)
     offline = tmp_path / "comet"
     monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(offline))
     for flag in ("COMET_AUTO_LOG_ENV_DETAILS", "COMET_AUTO_LOG_GIT_METADATA",
@@ -59,7 +58,7 @@ def test_comet_offline_experiment_writes_its_archive(tmp_path, monkeypatch) -> N
 
 
 def test_comet_online_without_api_key_is_a_config_error(tmp_path, monkeypatch) -> None:
-    pytest.importorskip("comet_ml")
+    import comet_ml  # noqa: F401  (a test dependency: missing fails)
     from shardwise.config import load_config
     from shardwise.errors import ConfigError
     from shardwise.monitor import MonitorMaster

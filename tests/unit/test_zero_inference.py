@@ -152,7 +152,8 @@ def test_bad_values_are_errors_naming_them(tmp_path):
         shardwise.init_inference(m, zero={"stage": 3, "offload_param": {"device": "nvme"}})
 
 
-@pytest.mark.parametrize("family,where", [("opt", "cpu"), ("llama", "nvme")])
+@pytest.mark.parametrize("family,where", [("opt", "cpu"),
+                                          pytest.param("llama", "nvme", marks=pytest.mark.windows)])
 def test_meta_model_streams_from_checkpoint_layer_by_layer(family, where, tmp_path, monkeypatch):
     m = model(family, hidden=128, ffn=1024)
     m.save_pretrained(tmp_path / "ckpt")
@@ -193,9 +194,8 @@ def test_auto_batch_size_fills_free_memory_and_runs(monkeypatch):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.windows  # swap files through the IO layer's Windows path, a folder with spaces
 def test_nvme_streaming_path_with_spaces(tmp_path):
-    # not in the Windows job: its Windows requirements have no transformers (the swap files'
-    # Windows path handling is covered by tests/windows/test_io_windows.py)
     m = model("llama", layers=2, hidden=128, ffn=1024)
     ids, mask, ref = reference(m, batch=1, new=3)
     folder = tmp_path / "swap dir with spaces"

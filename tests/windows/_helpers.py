@@ -1,12 +1,10 @@
-"""Helpers of the Windows subset: optional imports, free ports, child Pythons, spawned ranks.
+"""Helpers of the Windows subset: free ports, child Pythons, spawned ranks, Wine gaps.
 
 The Windows tests run under a real Windows CPython (scripts/windows-ci.sh) and on Linux.
-They are written against the public API of modules that other engineers land in parallel,
-so a missing module or attribute skips the test with its name instead of failing it.
+They import what they test plainly: a missing module or attribute fails the test.
 """
 from __future__ import annotations
 
-import importlib
 import os
 import socket
 import subprocess
@@ -42,15 +40,6 @@ def wine_gap(name: str) -> pytest.MarkDecorator:
     correct on real Windows; the skip reason keeps the gap visible in every run.
     """
     return pytest.mark.skipif(UNDER_WINE, reason=f"Wine gap: {name} (works on real Windows)")
-
-
-def require(module: str, *attrs: str) -> Any:
-    """Import ``module`` and check ``attrs`` exist on it, else skip naming what is missing."""
-    mod = pytest.importorskip(module)
-    missing = [a for a in attrs if not hasattr(mod, a)]
-    if missing:
-        pytest.skip(f"{module} has no {', '.join(missing)} yet")
-    return mod
 
 
 def free_port() -> int:

@@ -97,7 +97,7 @@ def test_generated_names_are_valid_windows_names(tmp_path: Path) -> None:
 
 
 def test_safetensors_roundtrip_on_a_drive_letter_path(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
+    import torch
     import shardwise.checkpoint.format as fmt
     path = tmp_path / "global_step10" / (fmt.rank_file_stem(0, 2) + ".safetensors")
     if ON_WINDOWS:
@@ -122,7 +122,7 @@ def test_safetensors_roundtrip_on_a_drive_letter_path(tmp_path: Path) -> None:
 def test_chunk_parallel_reads_release_every_handle(tmp_path: Path, monkeypatch) -> None:
     """A tensor of several crc chunks is read on worker threads, each through its own handle;
     closing the reader must close all of them, or Windows refuses the rewrite that follows."""
-    torch = pytest.importorskip("torch")
+    import torch
     import shardwise.checkpoint.format as fmt
     monkeypatch.setattr(fmt, "CHUNK_BYTES", 256)
     monkeypatch.setattr(fmt, "_read_workers", lambda: 4)

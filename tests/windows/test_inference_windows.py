@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
+import transformers
 
 pytestmark = pytest.mark.windows
-transformers = pytest.importorskip("transformers")
 
 
 def _tiny_llama():

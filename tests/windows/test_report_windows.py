@@ -54,7 +54,7 @@ def test_collect_report_in_process_matches_platform() -> None:
 
 
 def test_windows_specific_stats_read_the_page_file_and_cache() -> None:
-    psutil = pytest.importorskip("psutil")
+    import psutil
     import shardwise.utils as diag
     try:
         swap = psutil.swap_memory()

@@ -75,7 +75,7 @@ def _ranks(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def zero_results(tmp_path_factory):
     from shardwise import initialize  # noqa: F401 - a rename must fail, not skip
-    pytest.importorskip("tests.distributed._parity")
+    import tests.distributed._parity  # noqa: F401  (a rename must fail, not skip)
     ckpt = tmp_path_factory.mktemp("zero windows ckpt")  # a space, as in Windows user folders
     return spawn_ranks(_ranks, 2, str(ckpt)), ckpt
 
