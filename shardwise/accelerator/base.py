@@ -141,6 +141,14 @@ class Accelerator:
         if self.kind in ("cuda", "xpu"):
             self._module.reset_peak_memory_stats()
 
+    def mem_get_info(self, device: Any = None) -> tuple:
+        """(free, total) bytes of ``device``'s memory (the host's for CPU and MPS)."""
+        if self.kind in ("cuda", "xpu"):
+            return self._module.mem_get_info(device)
+        import psutil
+        vm = psutil.virtual_memory()
+        return vm.available, vm.total
+
     def total_memory(self, index: int = 0) -> int:
         if self.kind in ("cuda", "xpu"):
             return self._module.get_device_properties(index).total_memory

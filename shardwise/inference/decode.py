@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.accelerator import get_accelerator
 from shardwise.errors import ConfigError
 
 from .arch import DecoderSpec, LayerSpec
@@ -400,7 +401,7 @@ class FinishWatch:
             return None if bool(unfinished.any()) else step + 1
         slot = step % self.flags.numel()
         self.flags[slot].copy_(unfinished.any(), non_blocking=True)
-        event = torch.cuda.Event()
+        event = get_accelerator().Event()
         event.record()
         self.pending.append((step, event, slot))
         return self._read(block=len(self.pending) > EOS_LAG)

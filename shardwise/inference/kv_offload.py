@@ -30,6 +30,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..accelerator import get_accelerator
 from .weight_store import host_buffer
 
 
@@ -54,7 +55,7 @@ class OffloadedKVCache(nn.Module):
         self.slots = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(2)]
         self.views = [self._kv_views(s) for s in self.slots]
         cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.stream = get_accelerator().Stream(device) if cuda else None
         self.owner: List[Optional[int]] = [None, None]  # the layer whose K/V a slot holds
         self.valid = [0, 0]  # ... for positions [0, valid)
         self.ready: List[Any] = [None, None]  # copy into the slot done (copy stream)
@@ -85,7 +86,7 @@ class OffloadedKVCache(nn.Module):
         """Layer ``i``'s K/V on the device (its copy waited for); layer ``i + 1`` queued."""
         slot = self._fetch(i, self.start, avoid=self._current)
         if self.stream is not None and self.ready[slot] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+            get_accelerator().current_stream(self.device).wait_event(self.ready[slot])
         self._current = slot
         if i + 1 < self.n_layers:
             self._fetch(i + 1, self.start, avoid=slot)
@@ -100,10 +101,10 @@ class OffloadedKVCache(nn.Module):
         if self.stream is None:
             dst.copy_(src)
         else:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
+            ev = get_accelerator().Event()
+            ev.record(get_accelerator().current_stream(self.device))
             self.done[slot] = ev
-            with torch.cuda.stream(self.stream):
+            with get_accelerator().stream(self.stream):
                 self.stream.wait_event(ev)
                 dst.copy_(src, non_blocking=True)
         self.owner[slot], self.valid[slot] = i, hi  # the slot now holds [0, hi) of layer i
@@ -122,11 +123,11 @@ class OffloadedKVCache(nn.Module):
         if self.stream is None:
             dst.copy_(src)
         else:
-            with torch.cuda.stream(self.stream):
+            with get_accelerator().stream(self.stream):
                 if self.done[slot] is not None:
                     self.stream.wait_event(self.done[slot])
                 dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = get_accelerator().Event()
                 ev.record(self.stream)
             self.ready[slot] = ev
         self.owner[slot], self.valid[slot] = layer, upto

@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from shardwise.accelerator import get_accelerator
 from shardwise.errors import ConfigError
 
 from .quant_stream import QuantSpec
@@ -87,10 +88,6 @@ class StreamSettings:
 
 #: layers queued ahead on CUDA at least (``stage3_max_live_parameters`` still caps it)
 MIN_AHEAD = 2
-
-
-def _events(device: torch.device) -> Optional[Any]:
-    return torch.cuda if device.type == "cuda" else None
 
 
 class LayerStreamer:
@@ -236,7 +233,7 @@ class LayerStreamer:
             ahead = max(ahead, MIN_AHEAD)
         k = max(1, min(live - 1, ahead))
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, _ = get_accelerator().mem_get_info(self.device)
             slot = max(img.image_bytes + img.transfer_bytes for img in self.images)
             k = max(1, min(k, int(0.5 * free) // max(1, slot) - 1))
         return min(k, n)
@@ -262,11 +259,11 @@ class LayerStreamer:
         self.slot_of: Dict[int, int] = {}
         self.bound: Dict[int, int] = {}
         cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.copy_stream = get_accelerator().Stream(self.device) if cuda else None
         # int4/int8 codes are expanded on their own stream: the copy stream only copies, so
         # the link stays busy while the previous layer is dequantized
         quant = self.settings.quant is not None
-        self.expand_stream = torch.cuda.Stream(self.device) if cuda and quant else None
+        self.expand_stream = get_accelerator().Stream(self.device) if cuda and quant else None
         self._views: Dict[Tuple[int, int], List[Tuple[TensorRef, torch.Tensor]]] = {}
 
     def _make_staging(self) -> None:
@@ -336,15 +333,14 @@ class LayerStreamer:
         img = self.images[j]
         host, stage = self._host_bytes(j)
         n = img.shard_bytes
-        events = _events(self.device)
-        if events is not None:
-            with torch.cuda.stream(self.copy_stream):
+        if self.copy_stream is not None:
+            with get_accelerator().stream(self.copy_stream):
                 if self.done[slot] is not None:
                     self.copy_stream.wait_event(self.done[slot])
                 if self.expanded[slot] is not None:  # a prefetched layer never computed
                     self.copy_stream.wait_event(self.expanded[slot])
                 self._copy(img, host[:n], slot)
-                ev = torch.cuda.Event()
+                ev = get_accelerator().Event()
                 ev.record(self.copy_stream)
             if stage is not None:
                 self.stage_free[stage] = ev
@@ -383,10 +379,10 @@ class LayerStreamer:
         """Dequantize the slot's staged codes on the expand stream once ``copied`` fired;
         returns the event the compute waits for. The next copy into this slot's staging
         buffer waits for the compute of the layer (so for this expansion too)."""
-        with torch.cuda.stream(self.expand_stream):
+        with get_accelerator().stream(self.expand_stream):
             self.expand_stream.wait_event(copied)
             img.expand(self.staging[slot][:img.shard_bytes], self.slots[slot])
-            ev = torch.cuda.Event()
+            ev = get_accelerator().Event()
             ev.record(self.expand_stream)
         return ev
 
@@ -406,7 +402,7 @@ class LayerStreamer:
         self._current = i
         slot = self.fetch(i)
         if self.copy_stream is not None and self.ready[slot] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+            get_accelerator().current_stream(self.device).wait_event(self.ready[slot])
         if self.bound.get(i) != slot:
             self._bind(i, slot)
             self.bound[i] = slot
@@ -429,8 +425,8 @@ class LayerStreamer:
     def leave(self, i: int) -> None:
         """Forward hook of layer ``i``: mark its slot reusable once its compute has run."""
         if self.copy_stream is not None:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
+            ev = get_accelerator().Event()
+            ev.record(get_accelerator().current_stream(self.device))
             self.done[self.slot_of[i]] = ev
 
     # --- reporting and teardown ----------------------------------------------------------

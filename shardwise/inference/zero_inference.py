@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.accelerator import get_accelerator
 from shardwise.errors import ConfigError
 from shardwise.utils.logging import log_dist, warn_once
 
@@ -136,11 +137,13 @@ def offload_kv_cache(decoder: Optional[nn.Module], cfg: InferenceConfig) -> None
 
 
 def _free_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    import psutil
-    return int(psutil.virtual_memory().available)
+    """Bytes a batch may still take: the device's free memory plus what torch's caching
+    allocator holds unused (the host's available memory on CPU)."""
+    if device.type != "cuda":
+        import psutil
+        return int(psutil.virtual_memory().available)
+    free, _ = get_accelerator().mem_get_info(device)
+    return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def bytes_per_sequence(config: object, prompt_tokens: int, new_tokens: int,

@@ -24,6 +24,8 @@ def test_cpu_accelerator_names_gloo_and_behaves_like_a_device() -> None:
     with acc.stream(None):
         pass
     assert acc.total_memory() > 0
+    free, total = acc.mem_get_info()
+    assert 0 < free <= total == acc.total_memory()
 
 
 def test_unknown_accelerator_is_a_config_error() -> None:

@@ -85,3 +85,23 @@ def test_collectives_outside_comm_go_through_comm():
                     and node.func.value.id == "dist":
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} dist.{node.func.attr}")
     assert not offenders, "collectives outside shardwise/comm/: " + ", ".join(offenders)
+
+
+#: stream/event calls go through the accelerator (``get_accelerator().Stream/Event/stream/
+#: current_stream``) in the packages that move weights and caches between host and device.
+STREAM_PACKAGES = ("zero", "offload", "inference", "io")
+STREAM_CALLS = ("Stream", "Event", "stream", "current_stream", "mem_get_info")
+
+
+def test_streams_and_events_go_through_the_accelerator():
+    offenders = []
+    for package in STREAM_PACKAGES:
+        for path in _files(package):
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            for node in ast.walk(tree):
+                f = node.func if isinstance(node, ast.Call) else None
+                if isinstance(f, ast.Attribute) and f.attr in STREAM_CALLS \
+                        and isinstance(f.value, ast.Attribute) and f.value.attr == "cuda" \
+                        and isinstance(f.value.value, ast.Name) and f.value.value.id == "torch":
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} torch.cuda.{f.attr}")
+    assert not offenders, "streams/events outside the accelerator: " + ", ".join(offenders)
