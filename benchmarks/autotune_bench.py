@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -154,6 +154,32 @@ def run_tuner(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
             "error": error, "profiled": (folder / "autotuning_exps" / "profile_model_info").exists()}
 
 
+#: DeepSpeed's autotuner ends every experiment with ``pdsh -f N -w HOSTS pkill -f NAME`` (its
+#: scheduler's clean_up), even on one machine, and stops with FileNotFoundError where there is
+#: no pdsh (the GPU image has none). On one host pdsh would run that command here over ssh;
+#: this stand-in drops pdsh's options and runs it here directly (exec: pkill must not match
+#: the stand-in's own command line).
+PDSH_STANDIN = """#!/bin/sh
+# pdsh stand-in (benchmarks/autotune_bench.py): one host, so run the command here
+while [ $# -gt 0 ]; do
+  case "$1" in -f|-w|-l|-R|-u|-t) shift 2 ;; -*) shift ;; *) break ;; esac
+done
+exec "$@"
+"""
+
+
+def pdsh_env(folder: Path, env: Dict[str, str]) -> Tuple[Dict[str, str], Optional[str]]:
+    """``env`` with a pdsh stand-in first on PATH when the machine has no pdsh (and a note)."""
+    if shutil.which("pdsh", path=env.get("PATH")):
+        return env, None
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "pdsh").write_text(PDSH_STANDIN)
+    (bin_dir / "pdsh").chmod(0o755)
+    env = dict(env, PATH=os.pathsep.join([str(bin_dir), env.get("PATH", "")]))
+    return env, "no pdsh here: a local stand-in ran DeepSpeed's per-experiment clean-up"
+
+
 def run_deepspeed(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
     folder = work / "deepspeed"
     shutil.rmtree(folder, ignore_errors=True)
@@ -161,11 +187,12 @@ def run_deepspeed(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
     (folder / "ds.json").write_text(json.dumps(user_config(args, ours=False), indent=2))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--autotuning", "tune", "--num_gpus", "1",
            "--master_port", str(free_port()), str(SCRIPT), *script_args(args, "deepspeed", "ds.json")]
+    env, note = pdsh_env(folder, trial_env())
     start = time.perf_counter()
     log_path = folder / "deepspeed.log"
     try:
         with open(log_path, "w") as log:
-            proc = subprocess.run(cmd, cwd=folder, env=trial_env(), stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.run(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
                                   timeout=args.ds_timeout)
         code: Optional[int] = proc.returncode
     except subprocess.TimeoutExpired:
@@ -183,7 +210,8 @@ def run_deepspeed(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
     else:
         tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()][-3:]
         error = ("timed out after %ds; " % args.ds_timeout if code is None else f"exit {code}; ") + " | ".join(tail)
-    return {"method": "deepspeed", "trials": len(trials), "wall_s": wall, "pick": pick, "error": error}
+    return {"method": "deepspeed", "trials": len(trials), "wall_s": wall, "pick": pick, "error": error,
+            "note": note}
 
 
 # --- the table ------------------------------------------------------------------------------
@@ -258,6 +286,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     (work / "autotune_bench.json").write_text(json.dumps(rows, indent=2, default=str))
     print(f"space: stages {args.stages} x micro {args.micro_batches}, ckpt {args.ac and args.ac_policies}, compile "
           f"{args.compile}, offload {args.offload}; seq {args.seq}; results in {work}")
+    for row in rows:
+        if row.get("note"):
+            print(f"note ({row['method']}): {row['note']}")
     print(format_table(rows, COLUMNS))
     return 0
 

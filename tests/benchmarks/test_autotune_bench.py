@@ -38,3 +38,21 @@ def test_ratios_use_the_grids_measurement_of_each_pick():
     assert round(tuner["trials_ratio"], 3) == 0.333 and tuner["wall_ratio"] == 0.3
     table = bench.format_table(rows, bench.COLUMNS)
     assert table.splitlines()[-1].startswith("tuner") and "0.970" in table
+
+
+def test_pdsh_stand_in_runs_deepspeeds_cleanup_command_here(tmp_path):
+    import os
+    import subprocess
+    env, note = bench.pdsh_env(tmp_path, {"PATH": "/usr/bin:/bin"})  # no pdsh on this PATH
+    assert note and env["PATH"].startswith(str(tmp_path / "bin"))
+    target = tmp_path / "ran"
+    # what DeepSpeed's scheduler runs after each experiment, with a harmless command
+    out = subprocess.run(["pdsh", "-f", "1024", "-w", "localhost", "touch", str(target)],
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and target.exists(), out.stderr
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "pdsh").write_text("#!/bin/sh\n")
+    (real / "pdsh").chmod(0o755)
+    assert bench.pdsh_env(tmp_path / "x", {"PATH": str(real)}) == ({"PATH": str(real)}, None)
+    assert os.access(tmp_path / "bin" / "pdsh", os.X_OK)
