@@ -8,6 +8,10 @@
 #   device run:  command "bash scripts/device_plan.sh NAME"
 #                carry   [".whl", ".aio", ".dev_before", ".dev_after"]   (.dev_*: issue19 only)
 #
+# With one H200 (30 device-minutes): issue19, issue21, issue25 first (each may close its issue
+# with the code as it is). With eight: `parallel issue20p issue20a issue20b issue23 issue26c
+# issue26d issue26l issue26f` in one lease, then issue19/21/21s/22/26s/23d/25/gputests alone.
+#
 # On a machine with several GPUs, `bash scripts/device_plan.sh parallel NAME NAME ...` runs
 # up to one call per GPU at once (CUDA_VISIBLE_DEVICES=i, its own share of the cores through
 # taskset, its own MASTER_PORT): device time counts the machine, not its GPUs. Keep the calls
