@@ -35,6 +35,7 @@ from pathlib import Path
 import time
 from typing import Any, Dict, List, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's shardwise (children too)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _child_run import LLAMA_SHAPES, run_child  # noqa: E402
 

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's shardwise (children too)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _child_run import LLAMA_SHAPES, run_child, tok_s_ratio  # noqa: E402
 from _zi_plan import PLANS, Row, estimate_s  # noqa: E402

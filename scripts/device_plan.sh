@@ -59,9 +59,9 @@ device_env() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || { echo "FATAL: wheel install failed"; exit 3; }
   fi
-  # /tmp/site only: every benchmark puts its own tree's shardwise first on sys.path
-  # (issue19 runs two trees), and pytest runs from the repository root.
-  export PYTHONPATH=/tmp/site
+  # every benchmark also puts its own tree's shardwise first on sys.path (issue19 runs two
+  # trees and drops $PWD from this)
+  export PYTHONPATH="/tmp/site:$PWD"
   export TORCH_EXTENSIONS_DIR="$PWD/out/torch_extensions"  # DeepSpeed's JIT ops, built once per machine
   # DeepSpeed 0.19.8's op builder parses "9.0a" as int('0a'); benchmark children get the
   # cleaned list from _child_run.child_env, direct DeepSpeed use gets it here.
@@ -107,7 +107,7 @@ prepare() {
 tb() { python3 benchmarks/train_bench.py "$@"; }
 
 run_selftest() {
-  python3 -c "import shardwise, sys; print('shardwise', shardwise.__version__, 'from', shardwise.__file__)"
+  (cd /tmp && python3 -c "import shardwise; print('shardwise', shardwise.__version__, 'from', shardwise.__file__)")
   if python3 -c "import deepspeed" 2> /dev/null && [ -d /tmp/aio ]; then
     timeout 300 python3 -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; print('ds aio compatible:', B().is_compatible())"
   fi
@@ -117,7 +117,7 @@ run_issue19() {
   [ -d .dev_before ] && [ -d .dev_after ] || { echo "FATAL: run 'prepare' here and carry .dev_*"; exit 3; }
   local v=sw_z2_offload,sw_z3_offload,sw_z3_offload_dpu n=1
   for tree in before after after before; do  # ABBA: drift of the host cancels out
-    timeout 140 python3 ".dev_$tree/benchmarks/train_bench.py" --variants "$v" --warmup 3 \
+    PYTHONPATH=/tmp/site timeout 140 python3 ".dev_$tree/benchmarks/train_bench.py" --variants "$v" --warmup 3 \
       --steps 8 --timeout 60 --out "$OUT/i19_${n}_$tree.json" || echo "($tree round $n: rc $?)"
     n=$((n + 1))
   done
