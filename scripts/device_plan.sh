@@ -27,6 +27,7 @@
 # $OUT/NAME.tgz (at most 8 files come back from $OUT, so one archive per call). Each
 # benchmark's own --budget / --timeout keeps the call under ~570 s.
 set -uo pipefail
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out/device_plan}"
 mkdir -p "$OUT"
@@ -221,7 +222,7 @@ case "${1:-list}" in
     per=$(( $(nproc) / gpus )) i=0
     for name in "$@"; do
       CUDA_VISIBLE_DEVICES=$i MASTER_PORT=$((29600 + 50 * i)) \
-        taskset -c "$((i * per))-$((i * per + per - 1))" bash "$0" "$name" > /dev/null 2>&1 &
+        taskset -c "$((i * per))-$((i * per + per - 1))" bash "$SELF" "$name" > /dev/null 2>&1 &
       i=$((i + 1))
     done
     wait
