@@ -150,7 +150,10 @@ def deepspeed_aio_error() -> str | None:
 
     builder = AsyncIOBuilder()
     said = io.StringIO()
-    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+    # stdout only: DeepSpeed's probe compile redirects the stderr *file descriptor*
+    # (sys.stderr.fileno()), which a StringIO in its place does not have, and its blanket
+    # except then answers "not compatible" on a machine that has libaio
+    with contextlib.redirect_stdout(said):
         compatible = builder.is_compatible(verbose=True)
     if not compatible:
         return ("DeepSpeed's async_io op is not compatible here (AsyncIOBuilder().is_compatible() "

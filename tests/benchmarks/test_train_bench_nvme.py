@@ -31,3 +31,31 @@ def test_train_bench_nvme_variants_tiny_cpu(tmp_path: Path) -> None:
     assert rows["ds_z3_nvme"]["error"]  # DeepSpeed (or its async_io op) is not there
     assert "ds_z3_nvme  FAILED" in proc.stdout or "ds_z3_nvme" in proc.stdout
     assert not list(swap.glob("shardwise_swap/*"))
+
+
+def test_deepspeed_aio_probe_keeps_the_stderr_descriptor(monkeypatch) -> None:
+    """DeepSpeed's libaio probe (has_function) redirects ``sys.stderr.fileno()`` and answers
+    "not compatible" on any exception; the benchmark once wrapped it in a StringIO stderr,
+    which has no descriptor, and reported libaio missing on a machine that had it."""
+    import types
+
+    from tests.benchmarks._load import load_bench
+
+    class FakeBuilder:  # DeepSpeed's AsyncIOBuilder, as far as the probe goes
+        def is_compatible(self, verbose: bool = False) -> bool:
+            try:
+                sys.stderr.fileno()
+            except Exception:
+                return False
+            return True
+
+        def load(self) -> object:
+            return object()
+
+    op_builder = types.ModuleType("deepspeed.ops.op_builder")
+    op_builder.AsyncIOBuilder = FakeBuilder
+    for name, module in (("deepspeed", types.ModuleType("deepspeed")),
+                         ("deepspeed.ops", types.ModuleType("deepspeed.ops")),
+                         ("deepspeed.ops.op_builder", op_builder)):
+        monkeypatch.setitem(sys.modules, name, module)
+    assert load_bench("train_bench").deepspeed_aio_error() is None
