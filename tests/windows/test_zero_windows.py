@@ -37,11 +37,6 @@ def _ranks(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
     out["stage2"] = train_engine(rank, world, engine_config(2, MICRO, GA, CLIP, LR), STEPS)
 
     # Checkpoint on Windows paths: save after 3 steps, train 3 more; reload and train the same 3.
-    try:
-        from shardwise.checkpoint import engine_io  # noqa: F401
-    except ImportError as exc:
-        out["checkpoint"] = f"skip: {exc}"
-        return out
     cfg = engine_config(2, MICRO, 1, CLIP, LR)
     batches = global_batches(6, MICRO * world, seed=5)
 
@@ -102,8 +97,6 @@ def test_library_made_a_gloo_group_without_libuv(zero_results) -> None:
 def test_checkpoint_on_windows_paths_resumes_exactly(zero_results) -> None:
     per_rank, ckpt = zero_results
     ck = per_rank[0]["checkpoint"]
-    if isinstance(ck, str):
-        pytest.skip(ck)
     assert ck["resumed"] == ck["tail"]  # bit-exact losses after resume
     assert ck["params_equal"]
     names = ck["names"]
