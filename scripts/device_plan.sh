@@ -221,7 +221,7 @@ case "${1:-list}" in
     [ "$#" -ge 1 ] && [ "$#" -le "$gpus" ] || { echo "parallel: 1 to $gpus calls (one per GPU)"; exit 2; }
     per=$(( $(nproc) / gpus )) i=0
     for name in "$@"; do
-      CUDA_VISIBLE_DEVICES=$i MASTER_PORT=$((29600 + 50 * i)) \
+      CUDA_VISIBLE_DEVICES=$i MASTER_PORT=$((29600 + 50 * i)) OMP_NUM_THREADS=$per \
         taskset -c "$((i * per))-$((i * per + per - 1))" bash "$SELF" "$name" > /dev/null 2>&1 &
       i=$((i + 1))
     done
