@@ -43,7 +43,7 @@ CALLS=(
   "issue26l    26  450 s  the same learning: loss curves of fsdp2/ds/sw (eager and compiled), 50 steps"
   "issue25     25  570 s  autotune_bench --quick: grid vs tuner vs DeepSpeed's autotuner"
   "issue23     23  560 s  7B hybrid at batch 16 with decode options vs ZeRO-3 generate"
-  "issue23d    23  560 s  DeepSpeed's hybrid engine at 1.1B (its inference kernels JIT-built)"
+  "issue23d    23  560 s  DeepSpeed's hybrid engine at 7B and 1.1B (its kernels JIT-built)"
   "issue20p    20  500 s  decode_probe: the 7B batch-1 step's kernels and options"
   "issue20a    20  560 s  infer_bench --preset call1 (1.1B matrix)"
   "issue20b    20  560 s  infer_bench --preset call2 (7B matrix)"
@@ -176,8 +176,12 @@ run_issue23() {
     --out "$OUT/i23_rows.json"
 }
 
+# DeepSpeed's hybrid engine JIT-builds its inference kernels on first use (minutes; cached in
+# TORCH_EXTENSIONS_DIR for the second row). The 7B shape first: it is multi-head, like the
+# Llama-2-7B DeepSpeed-Chat runs; the 1.1B has grouped-query attention, which DeepSpeed's
+# kernel injection rejected in issue 20's runs.
 run_issue23d() {
-  python3 benchmarks/rlhf_bench.py --sizes 1.1b --batches 16 --repeats 1 --timeout 540 \
+  python3 benchmarks/rlhf_bench.py --sizes 7b,1.1b --batches 16 --repeats 1 --timeout 330 \
     --variants ds_hybrid --out "$OUT/i23_ds_rows.json"
 }
 
