@@ -36,7 +36,7 @@ BEFORE=d43b3fd  # issue 19: the last commit before the stage-3 / offload reshape
 CALLS=(
   "selftest    -    20 s  the environment alone: wheels, imports, libaio, packing"
   "issue19     19  560 s  the reshape's before/after: offload rows, ABBA order, one script"
-  "issue21     21  560 s  NVMe optimizer offload in train_bench (sw/ds, GA 4) + io_bench 2G"
+  "issue21     21  560 s  NVMe optimizer offload in train_bench (sw/ds, GA 4) + io_bench 1G"
   "issue21s    21  560 s  nvme_scale_bench: largest model under a 32 GiB host cap, CPU vs NVMe"
   "issue26c    26  570 s  compiled vs compiled (1): fsdp2, sw z2, sw z3, each compiled and eager"
   "issue26d    26  570 s  compiled vs compiled (2): ds z2, sw z3 offload DPU, compiled and eager"
@@ -126,10 +126,10 @@ run_issue19() {
 
 run_issue21() {
   # io_bench first: its DeepSpeed row JIT-builds the async_io op that ds_z3_nvme needs
-  timeout 200 python3 benchmarks/io_bench.py --size 2G --dir "$PWD/out/io" --out "$OUT/i21_io.json" \
+  timeout 150 python3 benchmarks/io_bench.py --size 1G --dir "$PWD/out/io" --out "$OUT/i21_io.json" \
     || echo "io_bench rc $?"
-  tb --variants sw_z3_offload,sw_z3_nvme,sw_z2_nvme,ds_z3_nvme --grad-accum 4 --warmup 1 \
-    --steps 3 --nvme-path "$PWD/out/nvme_swap" --ds-prebuild --timeout 150 \
+  tb --variants sw_z3_offload,sw_z3_nvme,ds_z3_nvme,sw_z2_nvme --grad-accum 4 --warmup 1 \
+    --steps 3 --nvme-path "$PWD/out/nvme_swap" --ds-prebuild --timeout 130 \
     --out "$OUT/i21_train.json"
 }
 
