@@ -43,6 +43,7 @@ class OffloadedKVCache(nn.Module):
                  dtype: torch.dtype, device: torch.device, pin: bool = True) -> None:
         super().__init__()
         self.batch, self.length, self.dtype, self.device = batch, length, dtype, device
+        self.acc = get_accelerator()  # streams and events, looked up once
         self.shape = (length, 2, batch, kv_heads, head_dim)
         self.n_layers = n_layers
         numel = length * 2 * batch * kv_heads * head_dim
@@ -55,7 +56,7 @@ class OffloadedKVCache(nn.Module):
         self.slots = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(2)]
         self.views = [self._kv_views(s) for s in self.slots]
         cuda = device.type == "cuda"
-        self.stream = get_accelerator().Stream(device) if cuda else None
+        self.stream = self.acc.Stream(device) if cuda else None
         self.owner: List[Optional[int]] = [None, None]  # the layer whose K/V a slot holds
         self.valid = [0, 0]  # ... for positions [0, valid)
         self.ready: List[Any] = [None, None]  # copy into the slot done (copy stream)
@@ -86,7 +87,7 @@ class OffloadedKVCache(nn.Module):
         """Layer ``i``'s K/V on the device (its copy waited for); layer ``i + 1`` queued."""
         slot = self._fetch(i, self.start, avoid=self._current)
         if self.stream is not None and self.ready[slot] is not None:
-            get_accelerator().current_stream(self.device).wait_event(self.ready[slot])
+            self.acc.current_stream(self.device).wait_event(self.ready[slot])
         self._current = slot
         if i + 1 < self.n_layers:
             self._fetch(i + 1, self.start, avoid=slot)
@@ -101,10 +102,10 @@ class OffloadedKVCache(nn.Module):
         if self.stream is None:
             dst.copy_(src)
         else:
-            ev = get_accelerator().Event()
-            ev.record(get_accelerator().current_stream(self.device))
+            ev = self.acc.Event()
+            ev.record(self.acc.current_stream(self.device))
             self.done[slot] = ev
-            with get_accelerator().stream(self.stream):
+            with self.acc.stream(self.stream):
                 self.stream.wait_event(ev)
                 dst.copy_(src, non_blocking=True)
         self.owner[slot], self.valid[slot] = i, hi  # the slot now holds [0, hi) of layer i
@@ -123,11 +124,11 @@ class OffloadedKVCache(nn.Module):
         if self.stream is None:
             dst.copy_(src)
         else:
-            with get_accelerator().stream(self.stream):
+            with self.acc.stream(self.stream):
                 if self.done[slot] is not None:
                     self.stream.wait_event(self.done[slot])
                 dst.copy_(src, non_blocking=True)
-                ev = get_accelerator().Event()
+                ev = self.acc.Event()
                 ev.record(self.stream)
             self.ready[slot] = ev
         self.owner[slot], self.valid[slot] = layer, upto

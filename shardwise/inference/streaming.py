@@ -97,6 +97,7 @@ class LayerStreamer:
                  settings: StreamSettings, dtype: torch.dtype,
                  checkpoint: Optional[LayerWeights] = None) -> None:
         self.device, self.settings, self.dtype = device, settings, dtype
+        self.acc = get_accelerator()  # streams and events, looked up once
         self.checkpoint = checkpoint  # weights of a meta model, read layer by layer
         self._names: Dict[int, str] = {}
         self._replaced: Dict[int, nn.Parameter] = {}  # meta Parameters -> their real ones
@@ -233,7 +234,7 @@ class LayerStreamer:
             ahead = max(ahead, MIN_AHEAD)
         k = max(1, min(live - 1, ahead))
         if self.device.type == "cuda":
-            free, _ = get_accelerator().mem_get_info(self.device)
+            free, _ = self.acc.mem_get_info(self.device)
             slot = max(img.image_bytes + img.transfer_bytes for img in self.images)
             k = max(1, min(k, int(0.5 * free) // max(1, slot) - 1))
         return min(k, n)
@@ -259,11 +260,11 @@ class LayerStreamer:
         self.slot_of: Dict[int, int] = {}
         self.bound: Dict[int, int] = {}
         cuda = self.device.type == "cuda"
-        self.copy_stream = get_accelerator().Stream(self.device) if cuda else None
+        self.copy_stream = self.acc.Stream(self.device) if cuda else None
         # int4/int8 codes are expanded on their own stream: the copy stream only copies, so
         # the link stays busy while the previous layer is dequantized
         quant = self.settings.quant is not None
-        self.expand_stream = get_accelerator().Stream(self.device) if cuda and quant else None
+        self.expand_stream = self.acc.Stream(self.device) if cuda and quant else None
         self._views: Dict[Tuple[int, int], List[Tuple[TensorRef, torch.Tensor]]] = {}
 
     def _make_staging(self) -> None:
@@ -334,13 +335,13 @@ class LayerStreamer:
         host, stage = self._host_bytes(j)
         n = img.shard_bytes
         if self.copy_stream is not None:
-            with get_accelerator().stream(self.copy_stream):
+            with self.acc.stream(self.copy_stream):
                 if self.done[slot] is not None:
                     self.copy_stream.wait_event(self.done[slot])
                 if self.expanded[slot] is not None:  # a prefetched layer never computed
                     self.copy_stream.wait_event(self.expanded[slot])
                 self._copy(img, host[:n], slot)
-                ev = get_accelerator().Event()
+                ev = self.acc.Event()
                 ev.record(self.copy_stream)
             if stage is not None:
                 self.stage_free[stage] = ev
@@ -379,10 +380,10 @@ class LayerStreamer:
         """Dequantize the slot's staged codes on the expand stream once ``copied`` fired;
         returns the event the compute waits for. The next copy into this slot's staging
         buffer waits for the compute of the layer (so for this expansion too)."""
-        with get_accelerator().stream(self.expand_stream):
+        with self.acc.stream(self.expand_stream):
             self.expand_stream.wait_event(copied)
             img.expand(self.staging[slot][:img.shard_bytes], self.slots[slot])
-            ev = get_accelerator().Event()
+            ev = self.acc.Event()
             ev.record(self.expand_stream)
         return ev
 
@@ -402,7 +403,7 @@ class LayerStreamer:
         self._current = i
         slot = self.fetch(i)
         if self.copy_stream is not None and self.ready[slot] is not None:
-            get_accelerator().current_stream(self.device).wait_event(self.ready[slot])
+            self.acc.current_stream(self.device).wait_event(self.ready[slot])
         if self.bound.get(i) != slot:
             self._bind(i, slot)
             self.bound[i] = slot
@@ -425,8 +426,8 @@ class LayerStreamer:
     def leave(self, i: int) -> None:
         """Forward hook of layer ``i``: mark its slot reusable once its compute has run."""
         if self.copy_stream is not None:
-            ev = get_accelerator().Event()
-            ev.record(get_accelerator().current_stream(self.device))
+            ev = self.acc.Event()
+            ev.record(self.acc.current_stream(self.device))
             self.done[self.slot_of[i]] = ev
 
     # --- reporting and teardown ----------------------------------------------------------
