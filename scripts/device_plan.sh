@@ -63,6 +63,9 @@ device_env() {
   # every benchmark also puts its own tree's shardwise first on sys.path (issue19 runs two
   # trees and drops $PWD from this)
   export PYTHONPATH="/tmp/site:$PWD"
+  # the wheels' console scripts (DeepSpeed's autotuner launches each experiment as `deepspeed`;
+  # the 2026-12-05 issue25 call lost its DeepSpeed row to "No such file or directory: 'deepspeed'")
+  export PATH="/tmp/site/bin:$PATH"
   export TORCH_EXTENSIONS_DIR="$PWD/out/torch_extensions"  # DeepSpeed's JIT ops, built once per machine
   # DeepSpeed 0.19.8's op builder parses "9.0a" as int('0a'); benchmark children get the
   # cleaned list from _child_run.child_env, direct DeepSpeed use gets it here.
@@ -86,6 +89,9 @@ EOF
     export LIBRARY_PATH="/tmp/aio/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}"
     export LD_LIBRARY_PATH="/tmp/aio/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     echo "libaio from .aio/: $(ls .aio)"
+  fi
+  if python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('deepspeed') is None)" && ! command -v deepspeed > /dev/null; then
+    echo "FATAL: deepspeed imports but its launcher is not on PATH ($PATH)"; exit 3
   fi
   df -h . /tmp | tail -n +2
   free -g | head -2
@@ -207,7 +213,7 @@ run_issue26s() {
 }
 
 run_gputests() {
-  timeout 560 python3 -m pytest -v -p no:cacheprovider \
+  timeout "${GPUTESTS_S:-560}" python3 -m pytest -v -p no:cacheprovider -m gpu \
     tests/gpu/test_pinned_gpu.py tests/gpu/test_checkpoint_gpu.py tests/gpu/test_nvme_offload_gpu.py \
     tests/gpu/test_nvme_param_gpu.py tests/gpu/test_zero3_compile_gpu.py \
     tests/gpu/test_hybrid_engine_gpu.py tests/gpu/test_zero_inference_gpu.py \

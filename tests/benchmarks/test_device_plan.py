@@ -85,3 +85,29 @@ def test_parallel_runs_each_call_on_its_own_gpu_and_cores(tmp_path):
     too_many = subprocess.run(plan + ["selftest", "issue20a", "issue20b"], capture_output=True,
                               text=True, env=env, timeout=60)
     assert too_many.returncode == 2 and "1 to 2 calls" in too_many.stdout
+
+
+def _function_body(name: str) -> str:
+    text = PLAN.read_text()
+    return text[text.index(f"{name}() {{"):].split("\n}\n", 1)[0]
+
+
+def test_gputests_selects_the_gpu_tests_it_names():
+    """The 2026-12-05 gputests call ran 0 tests: pytest.ini deselects ``gpu`` unless asked."""
+    body = _function_body("run_gputests")
+    args = body.split("pytest", 1)[1].split("2>&1")[0].replace("\\\n", " ").split()
+    files = [a for a in args if a.startswith("tests/")]
+    assert files and all((ROOT / f).is_file() for f in files)
+    marker = args[args.index("-m") + 1] if "-m" in args else None
+    assert marker == "gpu"
+    done = subprocess.run(["python3", "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", marker, *files], cwd=ROOT, capture_output=True, text=True)
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert len(collected) >= 30, done.stdout[-2000:]
+
+
+def test_the_wheels_console_scripts_are_on_path():
+    """DeepSpeed's autotuner launches ``deepspeed``: the wheels' bin folder must be on PATH."""
+    body = _function_body("device_env")
+    assert 'export PATH="/tmp/site/bin:$PATH"' in body
+    assert "command -v deepspeed" in body
