@@ -51,6 +51,7 @@ CALLS=(
   "issue26f    26  560 s  fp8_bench --quick"
   "issue26s    26  570 s  scale_bench: shardwise vs DeepSpeed, exact-size pinning"
   "gputests    all 560 s  the CUDA tests of the new paths (-v, one log)"
+  "diag        20   60 s  the two CUDA test failures of 2026-12-05: split-KV blocks, int4 round trip"
 )
 
 device_env() {
@@ -212,6 +213,9 @@ run_issue26s() {
     --exact-pin --timeout 170 --out "$OUT/i26_scale.json"
 }
 
+run_diag() {
+  timeout 120 python3 scripts/gpu_failures_diag.py
+}
 run_gputests() {
   timeout "${GPUTESTS_S:-560}" python3 -m pytest -v -p no:cacheprovider -m gpu \
     tests/gpu/test_pinned_gpu.py tests/gpu/test_checkpoint_gpu.py tests/gpu/test_nvme_offload_gpu.py \
