@@ -129,7 +129,8 @@ def run_grid(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
 def _records(exps: Path) -> List[Dict[str, Any]]:
     out = []
     for folder in sorted(exps.glob("*")) if exps.exists() else []:
-        if (folder / "result.json").exists() and folder.name != "profile_model_info":
+        # the profiling run is a launch too (and, since it times its profile steps, a trial)
+        if (folder / "result.json").exists():
             out.append(json.loads((folder / "result.json").read_text()))
     return out
 
@@ -147,8 +148,10 @@ def run_tuner(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
                               timeout=args.tuner_timeout)
     wall = time.perf_counter() - start
     records = _records(folder / "autotuning_exps")
-    ok = [r for r in records if r["status"] == "ok"]
-    pick = max(ok, key=lambda r: r["metrics"]["throughput"])["name"] if ok else None
+    summary = folder / "autotuning_results" / "summary.txt"
+    best = [ln for ln in summary.read_text().splitlines() if ln.startswith("best: ")] \
+        if summary.exists() else []
+    pick = best[-1].split()[1] if best else None  # "best: z0_tmbspg16_gas1 (*)"
     error = None if proc.returncode == 0 else (folder / "tune.log").read_text()[-600:]
     return {"method": f"tuner ({args.tuner})", "trials": len(records), "wall_s": wall, "pick": pick,
             "error": error, "profiled": (folder / "autotuning_exps" / "profile_model_info").exists()}
@@ -250,7 +253,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--end-profile-step", type=int, default=4)
     p.add_argument("--trial-timeout", type=float, default=300.0)
     p.add_argument("--tuner-timeout", type=float, default=3600.0)
-    p.add_argument("--ds-timeout", type=float, default=900.0)
+    p.add_argument("--ds-timeout", type=float, default=None,
+                   help="seconds for DeepSpeed's whole autotuner run (default 900; --quick: 150)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--skip-grid", action="store_true")
     p.add_argument("--skip-tuner", action="store_true")
@@ -263,7 +267,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.ac, args.ac_policies = True, "none,full"
         args.compile = args.offload = False
         args.start_profile_step, args.end_profile_step = 1, 2
-        args.ds_timeout = min(args.ds_timeout, 150.0)
+    if args.ds_timeout is None:
+        args.ds_timeout = 150.0 if args.quick else 900.0
     args.ac_policies = str(args.ac_policies).split(",")
     args.stages = [int(s) for s in str(args.stages).split(",")]
     args.micro_batches = [int(m) for m in str(args.micro_batches).split(",")]

@@ -41,7 +41,9 @@ CALLS=(
   "issue26c    26  570 s  compiled vs compiled (1): fsdp2, sw z2, sw z3, each compiled and eager"
   "issue26d    26  570 s  compiled vs compiled (2): ds z2, sw z3 offload DPU, compiled and eager"
   "issue26l    26  450 s  the same learning: loss curves of fsdp2/ds/sw (eager and compiled), 50 steps"
-  "issue25     25  570 s  autotune_bench --quick: grid vs tuner vs DeepSpeed's autotuner"
+  "issue25     25  560 s  autotune_bench --quick: grid vs tuner"
+  "issue25d    25  570 s  autotune_bench --quick: DeepSpeed's autotuner on the same space, its logs"
+  "issue19b    19  450 s  the reshape's before/after: sw_z2, sw_z3 (no offload), ABBA order"
   "issue23     23  560 s  7B hybrid at batch 16 with decode options vs ZeRO-3 generate"
   "issue23d    23  560 s  DeepSpeed's hybrid engine at 7B and 1.1B (its kernels JIT-built)"
   "issue20p    20  500 s  decode_probe: the 7B batch-1 step's kernels and options"
@@ -167,13 +169,34 @@ run_issue26l() {
 
 run_issue25() {
   local work="$PWD/out/autotune"
-  timeout 470 python3 benchmarks/autotune_bench.py --quick --skip-deepspeed --work-dir "$work" \
+  timeout 540 python3 benchmarks/autotune_bench.py --quick --skip-deepspeed --work-dir "$work" \
     --trial-timeout 90
   cp "$work/quick/autotune_bench.json" "$OUT/i25_grid_tuner.json" || true
-  # DeepSpeed's autotuner on the same space: its trials, wall time and pick, or its exact error
-  timeout 90 python3 benchmarks/autotune_bench.py --quick --skip-grid --skip-tuner \
-    --ds-timeout 80 --work-dir "$work"
+  cp "$work/quick/tuner/autotuning_results/summary.txt" "$OUT/i25_tuner_summary.txt" || true
+}
+
+# DeepSpeed's autotuner on the same space, a call of its own: its trials, wall time and pick,
+# or its exact error. The 2026-12-05 call gave it 80 s and its first experiment had not ended;
+# its log and every experiment's stderr come back this time.
+run_issue25d() {
+  local work="$PWD/out/autotune"
+  timeout 560 python3 benchmarks/autotune_bench.py --quick --skip-grid --skip-tuner \
+    --ds-timeout 540 --work-dir "$work"
   cp "$work/quick/autotune_bench.json" "$OUT/i25_deepspeed.json" || true
+  (cd "$work/quick/deepspeed" && tar -czf "$OUT/i25_ds_logs.tgz" deepspeed.log \
+    $(ls -d autotuning_exps autotuning_results 2> /dev/null)) || true
+}
+
+# Issue 19 asks for sw_z2 and sw_z3 next to the offload rows in the before/after: same
+# ABBA order over the two trees as run_issue19.
+run_issue19b() {
+  [ -d .dev_before ] && [ -d .dev_after ] || { echo "FATAL: run 'prepare' here and carry .dev_*"; exit 3; }
+  local n=1
+  for tree in before after after before; do
+    PYTHONPATH=/tmp/site timeout 110 python3 ".dev_$tree/benchmarks/train_bench.py" --variants sw_z2,sw_z3 \
+      --warmup 3 --steps 8 --timeout 50 --out "$OUT/i19b_${n}_$tree.json" || echo "($tree round $n: rc $?)"
+    n=$((n + 1))
+  done
 }
 
 # 7B at batch 16 was 8.9x plain ZeRO-3 (target 10x): the decode step's options side by side

@@ -1,7 +1,9 @@
 """The tuning loop and its result files.
 
 1. Read the space from the user's config (``space``); if the device memory is known, run
-   one profiling trial (``model_info``) and build the memory model (``memory``).
+   one profiling trial (``model_info``) and build the memory model (``memory``). That run
+   also times its profile steps, so where its config is in the space it is the first
+   experiment (``adopt``) and the micro batch search of its choice goes on from it.
 2. Take choices in the tuner's order (``tuner.ChoiceOrder``); for each, run the micro batch
    search (``tuner.MicroBatchSearch``) through the trial runner (``runner``), one trial at a
    time. Stop at ``tuner_num_trials`` trials or after ``tuner_early_stopping`` trials in a
@@ -14,6 +16,7 @@ no compile) unless that variant cannot run at all; then ``compile`` on the best 
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -97,7 +100,11 @@ class Autotuner:
         index = len(self.records) + 1
         _print(f"trial {index}/{self._planned()} {exp.name} ({exp.choice.describe()}, micro batch "
                f"{exp.micro_batch}, GA {exp.grad_accum}) ...")
-        result = self.runner.run(exp.name, ds_config)
+        return self.adopt(exp, self.runner.run(exp.name, ds_config))
+
+    def adopt(self, exp: Experiment, result: TrialResult) -> TrialResult:
+        """Record a finished run of ``exp`` (a trial, or the profiling run when its config is
+        one of the space's experiments): best, cost model, progress line."""
         record = Record(exp, result)
         self.records.append(record)
         value = result.value(self.at.metric)
@@ -133,10 +140,15 @@ class Autotuner:
     def _search(self, choice: Choice) -> bool:
         """Run ``choice``'s micro batch search; True when some micro batch ran."""
         fits = (lambda e: self.memory.fits(e.choice, e.micro_batch)) if self.memory else (lambda e: True)
-        search = MicroBatchSearch(self.space.experiments(choice), fits, self.at.num_tuning_micro_batch_sizes)
+        search = MicroBatchSearch(self.space.experiments(choice), fits,
+                                  self.at.num_tuning_micro_batch_sizes, skip=self._predicted_worse)
         self._pruned += search.pruned
         self._grid_left -= search.pruned
         any_ok = False
+        for rec in self.records:  # already measured (the profiling run): the search goes on from it
+            if rec.exp in search.candidates:
+                search.record(rec.exp, rec.result.ok, self.score(rec.result))
+                any_ok = any_ok or rec.result.ok
         while (exp := search.next()) is not None:
             if self._stop_reason():
                 break
@@ -145,6 +157,21 @@ class Autotuner:
             search.record(exp, result.ok, self.score(result))
             any_ok = any_ok or result.ok
         return any_ok
+
+    def _predicted_worse(self, exp: Experiment) -> bool:
+        """model_based: a smaller micro batch is skipped like a choice is, when the cost model
+        is confident and predicts it more than MODEL_SKIP_MARGIN below the best found."""
+        if self.at.tuner_type != "model_based" or self.best is None:
+            return False
+        best = self.score(self.best.result)
+        if not best or not self.model.confident(exp.choice, exp.micro_batch):
+            return False
+        floor = math.log(best) + math.log(1.0 - MODEL_SKIP_MARGIN)
+        if self.model.predict(exp.choice, exp.micro_batch) >= floor:
+            return False
+        _print(f"skipping {exp.name}: the cost model predicts it more than {MODEL_SKIP_MARGIN:.0%} "
+               f"below the best")
+        return True
 
     def _stop_reason(self) -> str:
         run = len(self.records)
@@ -177,7 +204,7 @@ class Autotuner:
         self._start = time.perf_counter()
         self._pruned = 0
         choices = self.space.choices()
-        self._grid_left = self.space.grid_size()
+        self._grid_left = self.space.grid_size() - len(self.records)  # minus the profiling run
         _print(f"space: {len(choices)} choice(s) x micro batch {self.space.micro_batches} = "
                f"{self._grid_left} experiment(s); tuned: {', '.join(self.space.tuned_keys) or 'nothing'}; "
                f"tuner {self.at.tuner_type}{', fast' if self.at.fast else ''}")

@@ -91,14 +91,24 @@ def _memory_model(tuner: Autotuner, space: TuningSpace, raw: Dict[str, Any]) -> 
         return None
     info_path = tuner.exps_dir / PROFILE_NAME / "model_info.json"
     choice = Choice(stage=max(space.stages))
-    exp = Experiment(choice, space.micro_batches[0], 1, space.world_size)
+    in_space = choice in space.choices() and bool(space.experiments(choice))
+    exp = (space.experiments(choice)[0] if in_space
+           else Experiment(choice, space.micro_batches[0], 1, space.world_size))
+    # the profiling run also times its profile steps: where its config is one of the space's
+    # experiments (the highest stage's plain variant at the smallest micro batch), that is
+    # the tune's first trial instead of a launch spent on calibration alone
     section = {"enabled": True, "model_info": {"profile": True}, "model_info_path": str(info_path),
-               "metric_path": str(info_path)}
+               "metric_path": str(info_path.with_name("metrics.json")),
+               "start_profile_step": tuner.at.start_profile_step,
+               "end_profile_step": tuner.at.end_profile_step}
     cfg = space.ds_config(exp, section)
     cfg["train_batch_size"] = exp.train_batch_size
-    _print(f"profiling the model ({PROFILE_NAME}: stage {choice.stage}, micro batch {exp.micro_batch})")
+    _print(f"profiling the model ({PROFILE_NAME}: stage {choice.stage}, micro batch {exp.micro_batch}"
+           f"{f', also trial {exp.name}' if in_space else ''})")
     result = tuner.runner.run(PROFILE_NAME, cfg)
-    if not result.ok:
+    if in_space:
+        tuner.adopt(exp, result)
+    if not info_path.exists():
         _print(f"profiling run failed ({result.status}: {result.error}); tuning without pruning")
         return None
     info = json.loads(info_path.read_text(encoding="utf-8"))

@@ -13,7 +13,9 @@ everything else lives here, so ``runtime/engine.py`` only holds three short call
   with recompute; null when the tokens per sample are unknown), ``peak_memory`` (bytes,
   the device's peak allocation; the process's peak RSS on a CPU), the batch triple.
 * ``model_info.profile``: after the first forward, write model_info.json (parameter count,
-  activation bytes of that forward) and exit, as DeepSpeed's profiling run does.
+  activation bytes of that forward) and exit, as DeepSpeed's profiling run does; with a
+  ``metric_path`` too, go on and time the profile steps like any trial (our autotuner's
+  profiling run is then also its first experiment).
 """
 from __future__ import annotations
 
@@ -38,12 +40,14 @@ def make_probe(config: Any) -> Optional["EngineProbe"]:
     if at is None or not at.enabled:
         return None
     metric_path = at.metric_path or os.environ.get(METRIC_PATH_ENV)
+    info_path = None
     if at.profile_model_info:
-        path = at.model_info_path or os.environ.get(MODEL_INFO_PATH_ENV) or "autotuning_model_info.json"
-        return EngineProbe(Path(path), at.start_profile_step, at.end_profile_step, model_info=True)
-    if not metric_path:
+        info_path = Path(at.model_info_path or os.environ.get(MODEL_INFO_PATH_ENV)
+                         or "autotuning_model_info.json")
+    if not metric_path and info_path is None:
         return None
-    return EngineProbe(Path(metric_path), at.start_profile_step, at.end_profile_step)
+    return EngineProbe(Path(metric_path) if metric_path else None, at.start_profile_step,
+                       at.end_profile_step, info_path)
 
 
 def _peak_memory() -> int:
@@ -83,10 +87,12 @@ def _tokens_per_sample(args: tuple, kwargs: Dict[str, Any]) -> Optional[int]:
 class EngineProbe:
     """Times one trial's profile window and writes its result file."""
 
-    path: Path
+    path: Optional[Path]
+    """metrics.json; None: a profiling run that exits once model_info.json is written."""
     start_step: int
     end_step: int
-    model_info: bool = False
+    info_path: Optional[Path] = None
+    """model_info.json, written after the first forward (DeepSpeed's model_info.profile)."""
     _t0: Optional[float] = None
     _tokens: Optional[int] = None
     _mem_before: int = 0
@@ -95,17 +101,17 @@ class EngineProbe:
         """Before a forward: start the clock at the first forward of step ``start_step``."""
         if self._tokens is None:
             self._tokens = _tokens_per_sample(args, kwargs)
-            if self.model_info:  # the profiling run measures its very first forward
+            if self.info_path is not None:  # the profiling run measures its very first forward
                 _sync()
                 self._mem_before = _allocated()
-                return
         if self._t0 is None and engine.global_steps == self.start_step:
             _sync()
             self._t0 = time.perf_counter()
 
     def after_forward(self, engine: Any) -> None:
-        """After a forward: the profiling run measures its activations, writes and exits."""
-        if not self.model_info:
+        """After the first forward of a profiling run: write model_info.json; exit unless
+        this run is also timed."""
+        if self.info_path is None:
             return
         _sync()
         params = list(engine.module.parameters())
@@ -114,12 +120,14 @@ class EngineProbe:
                 "activation_mem_per_gpu": max(_allocated() - self._mem_before, 0),
                 "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
                 "tokens_per_sample": self._tokens, "shape": _shape_of(engine.module)}
-        self._write(engine, info)
-        _exit()
+        self._write(engine, self.info_path, info)
+        self.info_path = None
+        if self.path is None:
+            _exit()
 
     def after_step(self, engine: Any) -> None:
         """After ``step()``: at the end of step ``end_step`` write the metrics and exit."""
-        if self.model_info:
+        if self.path is None:
             return
         if engine.global_steps != self.end_step + 1 or self._t0 is None:
             return
@@ -134,7 +142,7 @@ class EngineProbe:
             recompute = getattr(getattr(engine.config, "activation_checkpointing", None), "modules", None)
             per_token = (8 if recompute else 6) * params
             flops = per_token * self._tokens * batch / engine.world_size / latency
-        self._write(engine, {
+        self._write(engine, self.path, {
             "throughput": batch / latency, "latency": latency, "flops": flops,
             "peak_memory": _peak_memory(), "tokens_per_sample": self._tokens,
             "train_batch_size": batch, "train_micro_batch_size_per_gpu":
@@ -142,14 +150,15 @@ class EngineProbe:
             engine.gradient_accumulation_steps(), "profiled_steps": steps, "num_params": params})
         _exit()
 
-    def _write(self, engine: Any, data: Dict[str, Any]) -> None:
+    @staticmethod
+    def _write(engine: Any, path: Path, data: Dict[str, Any]) -> None:
         if engine.global_rank != 0:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
-        os.replace(tmp, self.path)
-        print(f"autotuning: wrote {self.path}", flush=True)
+        os.replace(tmp, path)
+        print(f"autotuning: wrote {path}", flush=True)
 
 
 def full_numel(p: torch.Tensor) -> int:

@@ -39,6 +39,9 @@ class MicroBatchSearch:
     fits: Callable[[Experiment], bool]
     """The memory model's verdict (True when unknown)."""
     num_sizes: int = 3
+    skip: Callable[[Experiment], bool] = lambda e: False
+    """For the smaller sizes after the largest that runs: True leaves that size out
+    (model_based: the cost model predicts it well below the best)."""
     ok: Dict[int, bool] = field(default_factory=dict)
     """Index -> ran (True) or failed (False)."""
     metrics: Dict[int, float] = field(default_factory=dict)
@@ -53,7 +56,9 @@ class MicroBatchSearch:
     def next(self) -> Optional[Experiment]:
         """The next experiment of this choice, or None when it is done."""
         if self._hi - self._lo > 1:
-            probe = self._hi - 1 if self._lo == -1 and not self.ok else (self._lo + self._hi + 1) // 2
+            # the largest predicted fit first, unless a size above the known good one has failed
+            untried_above = not any(i > self._lo for i in self.ok)
+            probe = self._hi - 1 if untried_above else (self._lo + self._hi + 1) // 2
             return self.candidates[probe]
         if self._lo < 0:
             return None
@@ -65,6 +70,8 @@ class MicroBatchSearch:
             if measured >= self.num_sizes:
                 break
             if i not in self.ok:
+                if self.skip(self.candidates[i]):
+                    return None  # smaller still is predicted worse again
                 return self.candidates[i]
         return None
 

@@ -165,9 +165,13 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     bias = bias.view(b, 1, g, n, chunk).transpose(2, 3).expand(b, h, n, g, chunk)
     out, lse = chunks_fn(qc, kc, vc, bias.reshape(b, h * n, g, chunk).contiguous(), scale)
+    # A block with no visible key gets no weight, whatever the kernel returns for it: CUDA's
+    # efficient kernel gives such a block a log-sum-exp of +inf (measured on an H100, 12-05),
+    # a math reference gives -inf and a NaN output. Decide from the mask, not the values.
+    seen = mask.reshape(b, 1, g, n, chunk).any(-1).transpose(2, 3)  # (B, 1, n, G)
     # the kernel's output is a transposed view and its log-sum-exp a slice: reshape, not view
-    out = torch.nan_to_num(out.float().reshape(b, h, n, g, d))  # a fully masked block: no weight
-    lse = torch.nan_to_num(lse.float().reshape(b, h, n, g), nan=float("-inf"))
+    out = torch.where(seen.unsqueeze(-1), out.float().reshape(b, h, n, g, d), 0.0)
+    lse = torch.where(seen, lse.float().reshape(b, h, n, g), float("-inf"))
     weight = torch.exp(lse - lse.amax(dim=2, keepdim=True))  # (B, H, n, G)
     out = (weight.unsqueeze(-1) * out).sum(2) / weight.sum(2).unsqueeze(-1)
     return out.to(q.dtype)

@@ -305,3 +305,97 @@ def test_ac_policy_list_limits_the_choices():
     assert build_space(raw, _at(), 1).ac_policies == ["none", "full"]
     with pytest.raises(ConfigError, match="policy"):
         build_space({"activation_checkpointing": {"policy": ["fast"], "modules": ["B"]}}, _at(), 1)
+
+
+# --- the profiling run as the first trial; micro batches the cost model leaves out ------------
+def test_profiling_run_with_a_metric_path_also_times_its_profile_steps(tmp_path):
+    info_path, metrics = tmp_path / "model_info.json", tmp_path / "metrics.json"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "autotuning": {"enabled": True, "model_info": {"profile": True},
+                          "model_info_path": str(info_path), "metric_path": str(metrics),
+                          "start_profile_step": 1, "end_profile_step": 2}}
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    steps = 0
+    with pytest.raises(SystemExit) as exit_info:
+        for _ in range(10):
+            engine.backward(engine(torch.randn(2, 8)).sum())
+            engine.step()
+            steps += 1
+            assert info_path.exists()  # written after the first forward, and the run goes on
+    assert exit_info.value.code == 0 and steps == 2  # exits in the 3rd step, as a trial does
+    assert json.loads(info_path.read_text())["micro_batch_size"] == 2
+    assert json.loads(metrics.read_text())["profiled_steps"] == 2
+
+
+def test_micro_batch_search_goes_on_from_a_size_already_measured():
+    exps = _exps([4, 8, 16])
+    search = MicroBatchSearch(exps, lambda e: True, num_sizes=3)
+    search.record(exps[0], True, 35.0)  # the profiling run: smallest size
+    assert search.next().micro_batch == 16  # the largest fit next, not the middle
+    search.record(exps[2], True, 49.0)
+    assert search.next() is None  # 4 was already worse than 16: 8 is not run
+
+
+def test_micro_batch_search_leaves_out_what_skip_rejects():
+    exps = _exps([2, 4, 8, 16])
+    search = MicroBatchSearch(exps, lambda e: True, num_sizes=3, skip=lambda e: e.micro_batch < 16)
+    assert search.next().micro_batch == 16
+    search.record(exps[3], True, 50.0)
+    assert search.next() is None
+    plain = MicroBatchSearch(exps, lambda e: True, num_sizes=3)
+    plain.record(exps[3], True, 50.0)
+    assert plain.next().micro_batch == 8  # without skip the smaller sizes are measured
+
+
+class _TableRunner:
+    """A runner that answers from measured numbers instead of launching (names -> samples/s);
+    the profiling run also writes the model_info.json a 1.1B Llama's first forward gives."""
+
+    def __init__(self, table):
+        self.table, self.ran = table, []
+
+    def run(self, name, ds_config):
+        from shardwise.autotuning.runner import TrialResult
+        self.ran.append(name)
+        section = ds_config.get("autotuning", {})
+        if section.get("model_info", {}).get("profile"):
+            info = {"num_params": 1_100_000_000, "micro_batch_size": 4, "tokens_per_sample": 1024,
+                    "activation_mem_per_gpu": 4 * 2**30, "shape": {"largest_layer_params": 65_536_000}}
+            Path(section["model_info_path"]).parent.mkdir(parents=True, exist_ok=True)
+            Path(section["model_info_path"]).write_text(json.dumps(info))
+            name = "z%d_tmbspg%d_gas1" % (ds_config["zero_optimization"]["stage"],
+                                          ds_config["train_micro_batch_size_per_gpu"])
+        return TrialResult(name, "ok", {"throughput": self.table[name]}, 1.0)
+
+
+# samples/s of the 1.1B Llama grid on an H100 (benchmarks/RESULTS.md, eleventh session)
+_H100_QUICK = {"z0_tmbspg4_gas1": 35.5, "z0_tmbspg8_gas1": 44.6, "z0_tmbspg16_gas1": 48.8,
+               "z0_tmbspg4_gas1_acfull": 12.1, "z0_tmbspg8_gas1_acfull": 22.0,
+               "z0_tmbspg16_gas1_acfull": 30.0, "z1_tmbspg4_gas1": 35.4, "z1_tmbspg8_gas1": 44.6,
+               "z1_tmbspg16_gas1": 48.7, "z1_tmbspg4_gas1_acfull": 11.3,
+               "z1_tmbspg8_gas1_acfull": 24.6, "z1_tmbspg16_gas1_acfull": 30.7}
+
+
+def test_model_based_tune_of_the_measured_grid_adopts_the_profiling_run(tmp_path, monkeypatch):
+    """On the H100 grid's numbers: the profiling run (stage 1, micro batch 4) counts as the
+    first trial, the cost model leaves out stage 0's micro batch 8, and the pick is the grid's
+    best in 3 launches of 12 (before: a profiling launch + 4 trials)."""
+    from shardwise.autotuning import cli
+    from shardwise.autotuning.autotuner import Autotuner
+    raw = {"train_micro_batch_size_per_gpu": [4, 8, 16], "zero_optimization": {"stage": [0, 1]},
+           "bf16": {"enabled": True},
+           "activation_checkpointing": {"policy": ["none", "full"], "modules": ["Block"]}}
+    at = _at(tuner_type="model_based", min_train_micro_batch_size_per_gpu=4,
+             max_train_micro_batch_size_per_gpu=16)
+    space = build_space(raw, at, 1)
+    assert space.grid_size() == 12
+    tuner = Autotuner(space, at, TrialCommand(["python"], "train.py", []), base_dir=tmp_path)
+    tuner.runner = runner = _TableRunner(_H100_QUICK)
+    monkeypatch.setattr(cli, "_device_memory", lambda: 80 * 2**30)
+    tuner.memory = cli._memory_model(tuner, space, raw)
+    assert tuner.memory is not None and [r.exp.name for r in tuner.records] == ["z1_tmbspg4_gas1"]
+    outcome = tuner.tune()
+    assert runner.ran == ["profile_model_info", "z0_tmbspg16_gas1", "z1_tmbspg16_gas1"]
+    assert outcome.best.exp.name == "z0_tmbspg16_gas1" and outcome.trials_run == 3
+    assert (tmp_path / at.results_dir / "ds_config_optimal.json").exists()

@@ -206,6 +206,31 @@ def test_split_kv_attention_combines_blocks_exactly():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def _kernel_like_chunks(q, k, v, bias, scale):
+    """As ``_math_chunks``, but a fully masked block answers the way CUDA's efficient kernel
+    does (measured on an H100): log-sum-exp +inf, output zeros."""
+    out, lse = _math_chunks(q, k, v, bias, scale)
+    empty = torch.isneginf(bias).all(-1)  # (B, M, G): this block has no visible key
+    lse = torch.where(empty, float("inf"), lse)
+    out = torch.where(empty.unsqueeze(-1), 0.0, out)
+    return out, lse
+
+
+def test_split_kv_attention_gives_fully_masked_blocks_no_weight_whatever_the_kernel_returns():
+    """Regression (H100, 2026-12-05): the efficient kernel's +inf log-sum-exp for a fully masked
+    block went through nan_to_num and weighted an empty block: error 9.9e-3 in that batch row."""
+    from shardwise.inference.layers import split_kv_attention
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 2, 16, generator=g)
+    k, v = torch.randn(2, 4, 64, 16, generator=g), torch.randn(2, 4, 64, 16, generator=g)
+    mask = torch.zeros(2, 1, 2, 64, dtype=torch.bool)
+    mask[0, ..., :18] = True  # blocks 2-3 of 16 keys fully masked
+    mask[1, ..., 2:50] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
+    out = split_kv_attention(q, k, v, mask, 0.125, chunk=16, chunks_fn=_kernel_like_chunks)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_options_parse_the_probe_names():
     from shardwise.inference.decode import DecodeOptions
     opts = DecodeOptions.parse("gemv=reduction+attention=split+coordinate_descent=false")
