@@ -202,8 +202,8 @@ def run_deepspeed(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
         code = None
     wall = time.perf_counter() - start
     results = folder / "autotuning_results"
-    trials = [p for p in results.glob("*") if p.is_dir() and p.name != "profile_model_info"] \
-        if results.exists() else []
+    # every launch counts, its profiling run too (as the tuner row's does)
+    trials = [p for p in results.glob("*") if p.is_dir()] if results.exists() else []
     optimal = results / "ds_config_optimal.json"
     pick, error = None, None
     if optimal.exists():

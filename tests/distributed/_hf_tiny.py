@@ -58,14 +58,31 @@ def reference(kind: str, steps: int, global_batch: int, lr: float) -> Dict[str, 
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+#: elements of one tensor that may exceed the tolerance, as a fraction (at least one) ...
+OUTLIER_FRACTION = 1e-3
+#: ... and by at most this much: a tenth of one Adam step at these tests' lr 1e-2
+OUTLIER_ATOL = 1e-3
+
+
 def mismatches(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> List[str]:
     """Names whose values differ beyond reduction-order rounding. A key-projection bias has
     an exact gradient of 0 (softmax ignores a shift shared by all keys), so Adam turns
-    rounding noise into full-size steps there: those are compared loosely."""
+    rounding noise into full-size steps there: those are compared loosely.
+
+    The same happens, rarely, to any element whose gradient is within rounding of zero: Adam
+    divides by sqrt(v), so its step depends on the reduction order. On an AVX512-FP16 Xeon
+    (2026-12-06) one element of 2048 in a Llama MLP weight was off by 2.5e-5 after 3 steps at
+    lr 1e-2 (on the machines before, none). So a tensor may have a few outliers (at most
+    ``OUTLIER_FRACTION`` of it, none above ``OUTLIER_ATOL``); a wrong shard, reduction or
+    update moves far more elements or moves them further."""
     bad = []
     for name, want in ref.items():
         loose = name.endswith("k_proj.bias")
         rtol, atol = (0.0, 1e-3) if loose else (1e-4, 1e-5)
-        if not torch.allclose(got[name].float(), want, rtol=rtol, atol=atol):
-            bad.append(f"{name}: max abs diff {(got[name].float() - want).abs().max():.3g}")
+        diff = (got[name].float() - want).abs()
+        over = diff > atol + rtol * want.abs()
+        allowed = max(1, int(OUTLIER_FRACTION * want.numel()))
+        if int(over.sum()) > allowed or bool((diff > max(atol, OUTLIER_ATOL)).any()):
+            bad.append(f"{name}: max abs diff {diff.max():.3g}, {int(over.sum())} of "
+                       f"{want.numel()} elements over rtol {rtol:g} / atol {atol:g}")
     return bad
