@@ -8,9 +8,12 @@
 #   device run:  command "bash scripts/device_plan.sh NAME"
 #                carry   [".whl", ".aio", ".dev_before", ".dev_after"]   (.dev_*: issue19 only)
 #
-# With one H200 (30 device-minutes): issue19, issue21, issue25 first (each may close its issue
-# with the code as it is). With eight: `parallel issue20p issue20a issue20b issue23 issue26c
-# issue26d issue26l issue26f` in one lease, then issue19/21/21s/22/26s/23d/25/gputests alone.
+# Done (2026-12-06, RESULTS.md "Thirteenth session"): issue19 + issue19b (issue 19's
+# before/after), issue25 + issue25d (issue 25's grid, tuner and DeepSpeed rows), issue21's
+# disk rows, gputests (35 passed). With one GPU (30 device-minutes) next: issue21s (closes
+# issue 21's last item), then issue22, issue20a/b, issue23. With eight: `parallel issue20p
+# issue20a issue20b issue23 issue26c issue26d issue26l issue26f` in one lease, then
+# issue21s/22/26s/23d alone.
 #
 # On a machine with several GPUs, `bash scripts/device_plan.sh parallel NAME NAME ...` runs
 # up to one call per GPU at once (CUDA_VISIBLE_DEVICES=i, its own share of the cores through
@@ -54,6 +57,7 @@ CALLS=(
   "issue26s    26  570 s  scale_bench: shardwise vs DeepSpeed, exact-size pinning"
   "gputests    all 560 s  the CUDA tests of the new paths (-v, one log)"
   "diag        20   60 s  the two CUDA test failures of 2026-12-05: split-KV blocks, int4 round trip"
+  "gputests3   19  170 s  the stage-3 / offload / engine CUDA tests (issue 19's 'CUDA tests on the GPU')"
 )
 
 device_env() {
@@ -245,6 +249,12 @@ run_gputests() {
     tests/gpu/test_nvme_param_gpu.py tests/gpu/test_zero3_compile_gpu.py \
     tests/gpu/test_hybrid_engine_gpu.py tests/gpu/test_zero_inference_gpu.py \
     tests/gpu/test_inference_gpu.py 2>&1 | tail -n 300
+}
+
+run_gputests3() {
+  timeout "${GPUTESTS_S:-170}" python3 -m pytest -v -p no:cacheprovider -m gpu \
+    tests/gpu/test_stage3_gpu.py tests/gpu/test_offload_timers_gpu.py tests/gpu/test_engine_gpu.py \
+    tests/gpu/test_activation_gpu.py 2>&1 | tail -n 120
 }
 
 case "${1:-list}" in
