@@ -206,7 +206,7 @@ class Autotuner:
         choices = self.space.choices()
         self._grid_left = self.space.grid_size() - len(self.records)  # minus the profiling run
         _print(f"space: {len(choices)} choice(s) x micro batch {self.space.micro_batches} = "
-               f"{self._grid_left} experiment(s); tuned: {', '.join(self.space.tuned_keys) or 'nothing'}; "
+               f"{self.space.grid_size()} experiment(s); tuned: {', '.join(self.space.tuned_keys) or 'nothing'}; "
                f"tuner {self.at.tuner_type}{', fast' if self.at.fast else ''}")
         first = self._fast_plan(choices) if self.at.fast else choices
         self._reported_skips = 0
