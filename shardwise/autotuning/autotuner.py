@@ -16,7 +16,6 @@ no compile) unless that variant cannot run at all; then ``compile`` on the best 
 from __future__ import annotations
 
 import json
-import math
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -163,11 +162,7 @@ class Autotuner:
         is confident and predicts it more than MODEL_SKIP_MARGIN below the best found."""
         if self.at.tuner_type != "model_based" or self.best is None:
             return False
-        best = self.score(self.best.result)
-        if not best or not self.model.confident(exp.choice, exp.micro_batch):
-            return False
-        floor = math.log(best) + math.log(1.0 - MODEL_SKIP_MARGIN)
-        if self.model.predict(exp.choice, exp.micro_batch) >= floor:
+        if not self.model.well_below(exp.choice, exp.micro_batch, self.score(self.best.result)):
             return False
         _print(f"skipping {exp.name}: the cost model predicts it more than {MODEL_SKIP_MARGIN:.0%} "
                f"below the best")

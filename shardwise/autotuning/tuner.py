@@ -131,6 +131,14 @@ class CostModel:
                 return False
         return len(self.rows) >= 2
 
+    def well_below(self, choice: Choice, micro_batch: int, best: Optional[float]) -> bool:
+        """Confident, and predicted more than ``MODEL_SKIP_MARGIN`` below ``best`` (a score:
+        higher is better): what model_based leaves out, choices and micro batches alike."""
+        if best is None or best <= 0 or not self.confident(choice, micro_batch):
+            return False
+        floor = math.log(best) + math.log(1.0 - MODEL_SKIP_MARGIN)
+        return self.predict(choice, micro_batch) < floor
+
     def predict(self, choice: Choice, micro_batch: int) -> float:
         if not self.rows:
             return 0.0
@@ -159,12 +167,9 @@ class ChoiceOrder:
     def next(self, best: Optional[float] = None) -> Optional[Choice]:
         """The next choice; ``best``: the best metric so far (higher is better), for skipping."""
         if self.tuner_type == "model_based" and self.started >= MODEL_WARMUP and self.model.rows:
-            if best is not None and best > 0:
-                floor = math.log(best) + math.log(1.0 - MODEL_SKIP_MARGIN)
-                keep = [c for c in self.pending if not self.model.confident(c, self.largest(c))
-                        or self.model.predict(c, self.largest(c)) >= floor]
-                self.skipped += [c for c in self.pending if c not in keep]
-                self.pending = keep
+            keep = [c for c in self.pending if not self.model.well_below(c, self.largest(c), best)]
+            self.skipped += [c for c in self.pending if c not in keep]
+            self.pending = keep
             if not self.pending:
                 return None
             scores = [self.model.predict(c, self.largest(c)) for c in self.pending]
