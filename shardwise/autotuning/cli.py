@@ -91,9 +91,9 @@ def _memory_model(tuner: Autotuner, space: TuningSpace, raw: Dict[str, Any]) -> 
         return None
     info_path = tuner.exps_dir / PROFILE_NAME / "model_info.json"
     choice = Choice(stage=max(space.stages))
-    in_space = choice in space.choices() and bool(space.experiments(choice))
-    exp = (space.experiments(choice)[0] if in_space
-           else Experiment(choice, space.micro_batches[0], 1, space.world_size))
+    of_choice = space.experiments(choice) if choice in space.choices() else []
+    in_space = bool(of_choice)
+    exp = of_choice[0] if in_space else Experiment(choice, space.micro_batches[0], 1, space.world_size)
     # the profiling run also times its profile steps: where its config is one of the space's
     # experiments (the highest stage's plain variant at the smallest micro batch), that is
     # the tune's first trial instead of a launch spent on calibration alone
