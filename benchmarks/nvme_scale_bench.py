@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -47,8 +46,10 @@ MODES = ("cpu", "nvme")
 LADDER = "1,2,3,4,5,6,7,8,10,12,14,16,20,24,28,32,40,48"
 #: host bytes per parameter each mode needs (bf16 weights and gradients on the host where
 #: offloaded, fp32 gradient partitions, master + Adam moments where on the host), for the
-#: first rung of the search; a fixed ~4 GiB (CUDA context, libraries, buffers) comes on top
+#: first rung of the search; FIXED_GIB (CUDA context, libraries; with NVMe the pinned rings
+#: of optimizer sub-groups and parameter buffers) comes on top
 HOST_BYTES = {"cpu": 18.0, "nvme (params)": 16.0, "nvme": 4.5}
+FIXED_GIB = {"cpu": 4.0, "nvme (params)": 6.0, "nvme": 11.0}
 #: bytes per parameter in the swap files (the disk must hold them)
 DISK_BYTES = {"cpu": 0.0, "nvme (params)": 2.0, "nvme": 14.0}
 
@@ -163,8 +164,10 @@ def _result_of(log: Path) -> Optional[Dict[str, Any]]:
     return found
 
 
-def _child_env(cpu_only: bool = False) -> Dict[str, str]:
+def _child_env(cpu_only: bool = False, exact_pin: bool = False) -> Dict[str, str]:
     env = dict(os.environ)
+    if exact_pin:  # both modes alike: large pinned buffers page-locked at their exact size
+        env["SHARDWISE_EXACT_PIN"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(BENCH_DIR.parent), str(BENCH_DIR)]
                                         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if cpu_only:
@@ -189,7 +192,7 @@ def has_nvme_optimizer(nvme_path: str, log_dir: Path) -> bool:
 def start_rung(ladder: List[int], sizes: List[int], label: str, cap_gib: float,
                disk_gib: float) -> int:
     """The largest rung the mode's bytes/parameter predict to fit (host and disk)."""
-    fits = [i for i, n in enumerate(sizes) if n * HOST_BYTES[label] / GIB + 4 <= cap_gib
+    fits = [i for i, n in enumerate(sizes) if n * HOST_BYTES[label] / GIB + FIXED_GIB[label] <= cap_gib
             and n * DISK_BYTES[label] / GIB <= disk_gib]
     return fits[-1] if fits else 0
 
@@ -236,7 +239,8 @@ def run_mode(mode: str, args: argparse.Namespace, cap: MemoryCap, opt_nvme: bool
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--config-json",
                 cfg.to_json(), "--nvme-path", str(swap)] + (["--opt-nvme"] if opt_nvme else [])
         try:
-            ran = cap.run(argv, log, min(args.trial_timeout, max(10.0, left)), env=_child_env(),
+            ran = cap.run(argv, log, min(args.trial_timeout, max(10.0, left)),
+                          env=_child_env(exact_pin=args.exact_pin),
                           cwd=str(BENCH_DIR.parent))
         finally:
             shutil.rmtree(swap, ignore_errors=True)
@@ -269,7 +273,8 @@ def report(rows: List[Dict[str, Any]], modes: List[str], cap: MemoryCap, args) -
     print(f"\ncap: {cap.kind} ({args.cap_gib:g} GiB"
           f"{'' if cap.kind == 'cgroup' else '; no cgroup: ' + str(cap.why_not_cgroup)}), "
           f"width {args.hidden}/{args.intermediate}, micro batch {args.micro_batch} x "
-          f"{args.seq}, bf16")
+          f"{args.seq}, bf16, pinned buffers "
+          f"{'exact-size (SHARDWISE_EXACT_PIN=1)' if args.exact_pin else 'from torch (rounded)'}")
     print(format_table(rows, COLUMNS))
     best: Dict[str, Dict[str, Any]] = {}
     for row in rows:
@@ -302,7 +307,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--nvme-path", default=os.environ.get("NVME_PATH", swap_default),
                    help="folder for the swap files (a local NVMe disk; not tmpfs)")
     p.add_argument("--max-seconds", type=float, default=540.0, help="budget of the whole run")
-    p.add_argument("--trial-timeout", type=float, default=200.0, help="seconds per trial")
+    p.add_argument("--trial-timeout", type=float, default=300.0, help="seconds per trial")
+    p.add_argument("--exact-pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="SHARDWISE_EXACT_PIN=1 in every trial (both modes): torch 2.11's pinned "
+                        "allocator rounds each block up to a power of two, which decides the "
+                        "largest model under a cap more than the offload mode does")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", BENCH_DIR.parent / "out"))
                    / "nvme_scale_bench.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -342,15 +351,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"[nvme_scale] cap: {cap.kind}"
           f"{'' if cap.kind == 'cgroup' else ' (' + str(cap.why_not_cgroup) + ')'}", flush=True)
     rows: List[Dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="nvme_scale_") as tmp:
-        log_dir = Path(tmp)
-        opt_nvme = "nvme" in modes and has_nvme_optimizer(args.nvme_path, log_dir)
-        print(f"[nvme_scale] NVMe optimizer offload: {'yes' if opt_nvme else 'no (params only)'}",
-              flush=True)
-        deadline = start + args.max_seconds
-        for i, mode in enumerate(modes):
-            share = (deadline - time.perf_counter()) / (len(modes) - i)
-            rows += run_mode(mode, args, cap, opt_nvme, time.perf_counter() + share, log_dir)
+    # every trial's log next to --out (a device call brings that folder back)
+    log_dir = args.out.parent / f"{args.out.stem}_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    opt_nvme = "nvme" in modes and has_nvme_optimizer(args.nvme_path, log_dir)
+    print(f"[nvme_scale] NVMe optimizer offload: {'yes' if opt_nvme else 'no (params only)'}",
+          flush=True)
+    deadline = start + args.max_seconds
+    for i, mode in enumerate(modes):
+        share = (deadline - time.perf_counter()) / (len(modes) - i)
+        rows += run_mode(mode, args, cap, opt_nvme, time.perf_counter() + share, log_dir)
     summary = report(rows, modes, cap, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))

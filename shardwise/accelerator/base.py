@@ -103,22 +103,42 @@ class Accelerator:
     def pin_memory_supported(self) -> bool:
         return self.kind in ("cuda", "xpu") and self.is_available()
 
-    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A page-locked copy of ``tensor`` (``tensor`` itself where pinning is unsupported).
+    def pinned_empty(self, shape: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised CPU tensor allocated page-locked (pageable where pinning is
+        unsupported).
 
-        The first call lets large pinned blocks keep their exact size (see
-        :func:`exact_large_pinned_blocks`): offload allocates a few huge flat buffers (fp32
-        masters, gradient partitions) and the host allocator's power-of-two rounding would
-        otherwise turn a 4.4 GB buffer into 8 GiB of locked RAM."""
+        Allocated pinned in place, never pinned by copying: offload's flat buffers (gradient
+        partitions, masters, swap rings) are several GB each, and a buffer that is first
+        allocated pageable and then copied into pinned memory needs twice its size at once,
+        which is what decides the largest model under a host-memory cap. Large buffers are
+        exact-size with SHARDWISE_EXACT_PIN=1 (``pinned.py``); otherwise the first call lets
+        large pinned blocks keep their exact size where torch has the setting (see
+        :func:`exact_large_pinned_blocks`): the host allocator's power-of-two rounding would
+        turn a 4.4 GB buffer into 8 GiB of locked RAM."""
         if not self.pin_memory_supported():
-            return tensor
-        if self.kind == "cuda":  # SHARDWISE_EXACT_PIN=1: exact-size cudaHostRegister'd copies
-            from .pinned import exact_pin_requested, exact_pinned_copy
-            exact = exact_pinned_copy(tensor) if exact_pin_requested() else None
+            return torch.empty(shape, dtype=dtype)
+        if self.kind == "cuda":
+            from .pinned import exact_pin_requested, exact_pinned_empty
+            exact = exact_pinned_empty(shape, dtype) if exact_pin_requested() else None
             if exact is not None:
                 return exact
         exact_large_pinned_blocks(self.kind)
-        return tensor.pin_memory()
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A page-locked copy of ``tensor`` (``tensor`` itself where pinning is unsupported),
+        from :meth:`pinned_empty`."""
+        if not self.pin_memory_supported():
+            return tensor
+        return self.pinned_empty(tensor.shape, tensor.dtype).copy_(tensor)
+
+    def host_zeros(self, numel: int, dtype: torch.dtype, device: torch.device,
+                   pin: bool) -> torch.Tensor:
+        """``numel`` zeros on ``device``; on the host and with ``pin``, allocated page-locked
+        in place (:meth:`pinned_empty`)."""
+        if pin and torch.device(device).type == "cpu":
+            return self.pinned_empty(numel, dtype).zero_()
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     def memory_allocated(self) -> int:
         if self.kind in ("cuda", "xpu"):

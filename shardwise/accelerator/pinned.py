@@ -13,8 +13,9 @@ viewing the memory is freed.
     flat = pinned_empty((numel,), torch.float32)     # exact size, page-locked where possible
     gpu.copy_(flat, non_blocking=True)               # a real async H2D copy
 
-``Accelerator.pin_memory`` (the one pinning path of offload and stage 3) uses it for tensors
-of 16 MiB and more when ``SHARDWISE_EXACT_PIN=1`` is set (opt-in while it is measured).
+``Accelerator.pinned_empty`` (the one pinning path of offload, stage 3 and the IO layer; its
+``pin_memory`` copies into one) uses it for tensors of 16 MiB and more when
+``SHARDWISE_EXACT_PIN=1`` is set (opt-in while it is measured).
 
 Where registration is impossible (no CUDA, a ROCm/XPU build without the binding, the driver
 refuses, e.g. RLIMIT_MEMLOCK) the buffer comes from torch's pinned allocator instead, and on
@@ -184,7 +185,7 @@ class ExactPinAllocator:
 
 _DEFAULT = ExactPinAllocator()
 
-#: Opt-in switch: ``Accelerator.pin_memory`` page-locks large tensors with exact-size
+#: Opt-in switch: ``Accelerator.pinned_empty`` page-locks large tensors with exact-size
 #: registration instead of torch's pinned allocator ("1"/"true"/"yes" turn it on).
 EXACT_PIN_ENV = "SHARDWISE_EXACT_PIN"
 #: Below this size torch's pinned allocator is used anyway: its rounding costs little there,
@@ -199,17 +200,16 @@ def exact_pin_requested() -> bool:
     return os.environ.get(EXACT_PIN_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def exact_pinned_copy(tensor: torch.Tensor,
-                      allocator: Optional[ExactPinAllocator] = None) -> Optional[torch.Tensor]:
-    """A contiguous exact-size pinned copy of a CPU ``tensor`` of at least
-    EXACT_PIN_MIN_BYTES; None when the tensor is smaller, on a device or not contiguous (the
-    caller then pins the usual way)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type != "cpu" or nbytes < EXACT_PIN_MIN_BYTES or not tensor.is_contiguous():
+def exact_pinned_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32,
+                       allocator: Optional[ExactPinAllocator] = None) -> Optional[torch.Tensor]:
+    """An exact-size page-locked CPU tensor of at least EXACT_PIN_MIN_BYTES; None when it
+    would be smaller (the caller then uses torch's pinned allocator)."""
+    numel = 1
+    for n in ((shape,) if isinstance(shape, int) else shape):
+        numel *= int(n)
+    if numel * torch.empty((), dtype=dtype).element_size() < EXACT_PIN_MIN_BYTES:
         return None
-    out = (allocator or _DEFAULT).empty(tuple(tensor.shape), tensor.dtype)
-    out.copy_(tensor)
-    return out
+    return (allocator or _DEFAULT).empty(shape, dtype)
 
 
 def pinned_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32,
@@ -219,4 +219,4 @@ def pinned_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.fl
 
 
 __all__ = ["CudartRegistrar", "EXACT_PIN_ENV", "ExactPinAllocator", "HostRegistrar",
-           "cudart_registrar", "exact_pin_requested", "exact_pinned_copy", "pinned_empty"]
+           "cudart_registrar", "exact_pin_requested", "exact_pinned_empty", "pinned_empty"]

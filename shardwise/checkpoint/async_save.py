@@ -19,6 +19,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from ..accelerator import get_accelerator
 from ..errors import CheckpointError
 from .contract import CheckpointableEngine
 from .format import TensorItem
@@ -52,7 +53,7 @@ def _pinned_empty(shape: Any, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     and copies the whole (garbage) tensor once more before the real copy."""
     if pin:
         try:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
+            return get_accelerator().pinned_empty(shape, dtype)
         except RuntimeError:  # pinned memory exhausted or refused: pageable still works
             pass
     return torch.empty(shape, dtype=dtype)

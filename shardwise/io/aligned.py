@@ -28,7 +28,7 @@ def alloc_aligned(nbytes: int, dtype: torch.dtype = torch.uint8, pin: bool = Fal
         try:
             from ..accelerator import get_accelerator
             if get_accelerator().pin_memory_supported():
-                raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
+                raw = get_accelerator().pinned_empty(nbytes + ALIGN, torch.uint8)
         except Exception:  # e.g. the pinned-memory limit is reached
             raw = None
     if raw is None:

@@ -35,7 +35,7 @@ def alloc_host(nbytes: int) -> torch.Tensor:
     try:
         from ..accelerator import get_accelerator
         if get_accelerator().pin_memory_supported():
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return get_accelerator().pinned_empty(nbytes, torch.uint8)
     except Exception:
         pass
     return torch.empty(nbytes, dtype=torch.uint8)

@@ -40,11 +40,9 @@ COPY_STREAMS = 2
 
 
 def alloc_host(numel: int, device: torch.device, pin: bool) -> torch.Tensor:
-    """A zeroed fp32 buffer on ``device``; pinned when it is host memory and pinning helps."""
-    t = torch.zeros(numel, dtype=torch.float32, device=device)
-    if pin and t.device.type == "cpu":
-        t = get_accelerator().pin_memory(t)
-    return t
+    """A zeroed fp32 buffer on ``device``; pinned in place when it is host memory and
+    pinning helps (never a pageable buffer and its pinned copy at once)."""
+    return get_accelerator().host_zeros(numel, torch.float32, device, pin)
 
 
 class HostGradAccumulator:

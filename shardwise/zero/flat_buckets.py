@@ -119,13 +119,15 @@ def build_bucket(index: int, group_index: int, run: List[tuple], *, world: int, 
     if shares_memory:
         master, master_grad = param_buf, grad_buf
     else:
-        master = param_buf[lo:hi].to(device=master_device, dtype=torch.float32, copy=True)
-        if master_device != device and (pin if pin_master is None else pin_master):
-            master = get_accelerator().pin_memory(master)  # masters are DMA'd straight to the device
-        if partitioned or master_device != device or separate_master or grad_dtype != torch.float32:
-            master_grad = torch.zeros(hi - lo, dtype=torch.float32, device=master_device)
-            if master_device != device and pin:
-                master_grad = get_accelerator().pin_memory(master_grad)
+        accel = get_accelerator()
+        offloaded = master_device != device
+        if offloaded and (pin if pin_master is None else pin_master):
+            # masters are DMA'd straight to the device: allocated pinned, filled in place
+            master = accel.pinned_empty(hi - lo, torch.float32).copy_(param_buf[lo:hi])
+        else:
+            master = param_buf[lo:hi].to(device=master_device, dtype=torch.float32, copy=True)
+        if partitioned or offloaded or separate_master or grad_dtype != torch.float32:
+            master_grad = accel.host_zeros(hi - lo, torch.float32, master_device, offloaded and pin)
         else:
             master_grad = grad_buf
     bucket = Bucket(index=index, group_index=group_index, slots=slots, numel=numel, lo=lo, hi=hi,

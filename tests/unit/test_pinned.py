@@ -110,17 +110,66 @@ def test_cudart_registrar_maps_error_codes() -> None:
                           ("unregister", 4096)]
 
 
-def test_exact_pinned_copy_only_for_large_contiguous_cpu_tensors(monkeypatch) -> None:
+def test_exact_pinned_empty_only_for_large_buffers(monkeypatch) -> None:
     monkeypatch.setattr(pinned, "EXACT_PIN_MIN_BYTES", 4096)
     rec = Recorder()
     alloc = ExactPinAllocator(registrar=rec)
-    src = torch.arange(3000, dtype=torch.float32).view(30, 100)
-    out = pinned.exact_pinned_copy(src, alloc)
-    assert out is not None and torch.equal(out, src) and out.data_ptr() != src.data_ptr()
+    out = pinned.exact_pinned_empty((30, 100), torch.float32, alloc)
+    assert out is not None and out.shape == (30, 100) and out.dtype == torch.float32
     assert rec.registered == [(out.data_ptr(), 12288)]
-    assert pinned.exact_pinned_copy(torch.ones(10), alloc) is None  # small: torch's allocator
-    assert pinned.exact_pinned_copy(src.t(), alloc) is None  # not contiguous
+    assert pinned.exact_pinned_empty(10, torch.float32, alloc) is None  # small: torch's allocator
     assert len(rec.registered) == 1
+
+
+@pytest.fixture
+def fake_cuda_exact_pin(monkeypatch):
+    """A CUDA accelerator whose large pinned buffers come from a recording registrar, and
+    whose copy-into-pinned path (``pin_memory``) must not be used for new buffers."""
+    from shardwise.accelerator import base
+    monkeypatch.setattr(pinned, "EXACT_PIN_MIN_BYTES", 4096)
+    monkeypatch.setenv(pinned.EXACT_PIN_ENV, "1")
+    rec = Recorder()
+    monkeypatch.setattr(pinned, "_DEFAULT", ExactPinAllocator(registrar=rec))
+    accel = base.Accelerator("cuda")
+    monkeypatch.setattr(accel, "pin_memory_supported", lambda: True)
+
+    def copied(tensor):
+        raise AssertionError(f"a pageable buffer of {tensor.numel()} elements was pinned by "
+                             "copying: it existed twice at once")
+
+    monkeypatch.setattr(accel, "pin_memory", copied)
+    monkeypatch.setattr(base, "_current", accel)
+    return rec
+
+
+def test_offload_buffers_are_allocated_pinned_in_place(fake_cuda_exact_pin) -> None:
+    """Regression (issue 21's scale run: NVMe offload fit 1.27x the CPU-offload model under a
+    32 GiB cap, not 2x): the flat fp32 gradient partitions, stage-3 host shards, stage 1-2
+    masters and the IO layer's buffers were allocated pageable and then copied into pinned
+    memory, so each multi-GB buffer existed twice at initialize (and the IO layer's bypassed
+    exact-size pinning). Stage 1-2's offloaded masters (``flat_buckets.build_bucket``) take
+    the same two calls."""
+    from shardwise.io.aligned import alloc_aligned
+    from shardwise.io.pinned_ring import alloc_host as ring_buffer
+    from shardwise.offload.host_grads import alloc_host
+    from shardwise.zero.stage3.storage import TensorShard
+    rec = fake_cuda_exact_pin
+    cpu = torch.device("cpu")
+    grads = alloc_host(5000, cpu, pin=True)
+    assert grads.dtype == torch.float32 and not grads.any()
+    shard = TensorShard.zeros(4096, torch.bfloat16, cpu, pin=True).tensor()
+    src = torch.randn(64, 64)
+    copy = TensorShard.copy_of(src, cpu, torch.bfloat16, pin=True).tensor()
+    assert torch.equal(copy, src.to(torch.bfloat16)) and copy.shape == src.shape
+    aligned = alloc_aligned(1 << 16, pin=True)
+    ring = ring_buffer(1 << 16)
+    starts = {ptr for ptr, _ in rec.registered}
+    assert grads.data_ptr() in starts and shard.data_ptr() in starts
+    assert copy.data_ptr() in starts and ring.data_ptr() in starts
+    assert any(ptr <= aligned.data_ptr() < ptr + n for ptr, n in rec.registered)
+    assert len(rec.registered) == 5
+    unpinned = alloc_host(5000, cpu, pin=False)  # no pin asked: plain memory, not registered
+    assert len(rec.registered) == 5 and not unpinned.any()
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("", False), ("0", False)])

@@ -86,18 +86,14 @@ class TensorShard:
 
     @classmethod
     def zeros(cls, numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> "TensorShard":
-        t = torch.zeros(numel, dtype=dtype, device=device)
-        if pin and t.device.type == "cpu":
-            t = get_accelerator().pin_memory(t)
-        return cls(t)
+        return cls(get_accelerator().host_zeros(numel, dtype, device, pin))
 
     @classmethod
     def copy_of(cls, t: torch.Tensor, device: torch.device, dtype: torch.dtype, pin: bool) -> "TensorShard":
         """A new shard on ``device`` holding ``t``'s elements."""
-        out = t.to(device=device, dtype=dtype, copy=True).contiguous()
-        if pin and out.device.type == "cpu":
-            out = get_accelerator().pin_memory(out)
-        return cls(out)
+        if pin and torch.device(device).type == "cpu":  # allocated pinned, filled in place
+            return cls(get_accelerator().pinned_empty(t.shape, dtype).copy_(t))
+        return cls(t.to(device=device, dtype=dtype, copy=True).contiguous())
 
     @property
     def numel(self) -> int:
