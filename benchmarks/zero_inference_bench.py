@@ -60,7 +60,7 @@ SIZES = {
 }
 VARIANTS = ["sw_cpu_bf16", "sw_cpu_int8", "sw_cpu_int4", "sw_nvme_bf16", "sw_nvme_int4",
             "sw_cpu_bf16_kv", "hf_accel", "ds_z3"]
-NOTES = {"ds_z3": "DeepSpeed NVMe offload not run: its aio op needs libaio, absent on the GPU machine"}
+NOTES = {"ds_z3": "DeepSpeed rows stream from offload_param device cpu (pinned), its ZeRO-Inference default"}
 
 
 # --- one measurement (child process) -------------------------------------------------------
@@ -186,15 +186,9 @@ def _timed(torch: Any, engine: Any, ids: Any, new: int) -> float:
 
 def disk_gbps(streamer: Any) -> float:
     """Read speed of the swap files through the streamer's own IO handle, GB/s."""
-    from shardwise.inference.weight_store import NvmeSource
-    files = [img.source for img in streamer.images if isinstance(img.source, NvmeSource)]
-    if not files or not streamer.nvme_staging:
-        return float("nan")
-    start, total = time.perf_counter(), 0
-    for src in files:
-        streamer._aio.sync_pread(streamer.nvme_staging[0][:src.nbytes], src.path, 0)
-        total += src.nbytes
-    return total / (time.perf_counter() - start) / 1e9
+    start = time.perf_counter()
+    total = streamer.read_swap_files()
+    return total / (time.perf_counter() - start) / 1e9 if total else float("nan")
 
 
 def kv_step_bytes(size: str, batch: int, prompt: int, new: int) -> float:

@@ -60,3 +60,18 @@ def test_budget_skips_rows_that_no_longer_fit_and_saves_after_each(tmp_path, mon
     other.write_text(json.dumps([{"size": "70b", "variant": "sw_cpu_int4", "batch": 1, "error": "x"}]))
     bench.main(["--merge", f"{out},{other}", "--out", str(merged)])
     assert len(json.loads(merged.read_text())) == len(rows)  # the 70b row replaced, not added
+
+
+def test_nvme_row_measures_the_disk_through_the_streamer(tmp_path):
+    """The 2026-12-06 issue22 call lost its NVMe row after generating: the bench read the swap
+    files through an attribute the streamer no longer had. One tiny NVMe row on the CPU runs
+    the same code: tokens, then the direct-read speed of the swap files, then the fraction."""
+    import math
+    bench = _bench()
+    args = bench.main.__globals__["argparse"].Namespace(
+        mem_cap_gib=0.0, prompt=8, new=3, nvme_path=str(tmp_path), auto_cap=4)
+    row = bench.measure(args, "tiny", "sw_nvme_bf16", 2)
+    assert row["tok_s"] > 0 and row["rows"] == 2
+    assert math.isfinite(row["disk_gbps"]) and row["disk_gbps"] > 0
+    assert row["disk_fraction"] == row["steps_s"] * row["step_mb"] * 1e6 / (row["disk_gbps"] * 1e9)
+    assert not any(tmp_path.rglob("*.swp"))  # the streamer removed its swap files
