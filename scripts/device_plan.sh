@@ -55,7 +55,7 @@ CALLS=(
   "issue20a    20  560 s  infer_bench --preset call1 (1.1B matrix)"
   "issue20b    20  560 s  infer_bench --preset call2 (7B matrix)"
   "issue22     22  560 s  zero_inference_bench --plan issue22"
-  "issue22b    22  520 s  zero_inference_bench --plan issue22b (NVMe rows, batch 64, DeepSpeed B=16)"
+  "issue22b    22  420 s  zero_inference_bench --plan issue22b (NVMe rows, batch 64, DeepSpeed B=16)"
   "issue26f    26  560 s  fp8_bench --quick"
   "issue26s    26  570 s  scale_bench: shardwise vs DeepSpeed, exact-size pinning"
   "gputests    all 560 s  the CUDA tests of the new paths (-v, one log)"
@@ -237,7 +237,7 @@ run_issue22() {
 }
 
 run_issue22b() {
-  python3 benchmarks/zero_inference_bench.py --plan issue22b --budget-s 440 --timeout 200 \
+  python3 benchmarks/zero_inference_bench.py --plan issue22b --budget-s 400 --timeout 200 \
     --nvme-path /tmp/zi_nvme --out "$OUT/i22b_rows.json"
 }
 
