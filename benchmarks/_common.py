@@ -13,6 +13,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+import sysconfig
+from pathlib import Path
+
 import psutil
 import torch
 
@@ -314,3 +317,23 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, st
         out.append("  ".join(c.rjust(w) if i else c.ljust(w)
                              for i, (c, w) in enumerate(zip(cells, widths))))
     return "\n".join(out)
+
+
+def stdlib_corpus(max_bytes: int = 64 << 20) -> torch.Tensor:
+    """The standard library's .py files (sorted paths, so the same bytes everywhere) as uint8."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if total < 1 << 20:
+        raise SystemExit(f"the standard library under {root} gave only {total} bytes of source")
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import sysconfig
 import tempfile
 import time
 import traceback
@@ -35,7 +34,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import torch  # noqa: E402
 
-from _common import BenchConfig, build_model, format_table, ratio  # noqa: E402
+from _common import BenchConfig, build_model, format_table, ratio, stdlib_corpus  # noqa: E402
 
 RESULT_MARKER = "@@FP8_BENCH_RESULT@@ "
 BYTE_VOCAB = 256
@@ -44,26 +43,6 @@ SHAPES = {
     "1.1b": dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4),
     "7b": dict(layers=8, hidden=4096, intermediate=11008, heads=32, kv_heads=32),
 }
-
-
-def stdlib_corpus(max_bytes: int = 64 << 20) -> torch.Tensor:
-    """The standard library's .py files (sorted paths, so the same bytes everywhere) as uint8."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    if total < 1 << 20:
-        raise SystemExit(f"the standard library under {root} gave only {total} bytes of source")
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
 def batch_at(corpus: torch.Tensor, step: int, cfg: BenchConfig) -> torch.Tensor:

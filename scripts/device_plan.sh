@@ -8,14 +8,13 @@
 #   device run:  command "bash scripts/device_plan.sh NAME"
 #                carry   [".whl", ".aio", ".dev_before", ".dev_after"]   (.dev_*: issue19 only)
 #
-# Done (2026-12-06, RESULTS.md "Thirteenth/Fourteenth session"): issue19 + issue19b (issue
-# 19's before/after), issue25 + issue25d (issue 25's grid, tuner and DeepSpeed rows), issue21's
-# disk rows, gputests (35 passed), gputests3 (18 passed; the activation test's measurement
-# fixed since), issue21s once (1.27x: pinned buffers doubled and rounded; fixed in d75f283).
-# With one GPU (30 device-minutes) next: issue21s again (closes issue 21's scale item),
-# gputests3 (the in-place pinned allocation on CUDA, the activation fix), then issue22,
-# issue20a/b, issue23. With eight: `parallel issue20p issue20a issue20b issue23 issue26c
-# issue26d issue26l issue26f` in one lease, then issue21s/22/26s/23d alone.
+# Done (2026-12-06, RESULTS.md "Thirteenth/Fourteenth/Fifteenth session"): issue19 + issue19b
+# (issue 19's before/after), issue25 + issue25d (issue 25's grid, tuner and DeepSpeed rows),
+# issue21's disk rows, gputests (35 passed), gputests3 (19 passed, 1 skipped), issue21s (2.08x
+# after d75f283), issue22 + issue22b (issue 22's whole matrix).
+# With one GPU (30 device-minutes) next: issue20a, issue20b, issue23 (then issue20p, issue23d).
+# With eight: `parallel issue20p issue20a issue20b issue23 issue26c issue26d issue26l issue26f`
+# in one lease, then issue26s/23d alone.
 #
 # On a machine with several GPUs, `bash scripts/device_plan.sh parallel NAME NAME ...` runs
 # up to one call per GPU at once (CUDA_VISIBLE_DEVICES=i, its own share of the cores through

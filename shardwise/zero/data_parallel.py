@@ -21,6 +21,7 @@ from .. import comm
 from ..comm import all_gather_flat, reduce_scatter_flat
 from ..comm.topology import global_rank, group_world_rank
 from ..offload.optimizer_offload import OptimizerOffload
+from ..utils.hooks import add_grad_hooks
 from .flat_buckets import Bucket, build_bucket, grad_view, plan_buckets
 from .shard_view import ShardView
 from .strategy import ZeroStrategy
@@ -74,8 +75,8 @@ class DataParallelStrategy(ZeroStrategy):
             # peak as any later one, and nothing reads a gradient before backward writes one
             for bucket in self.buckets:
                 bucket.grad_buf.untyped_storage().resize_(0)
-        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
-                       for b in self.buckets for slot in b.slots]
+        self._hooks = add_grad_hooks((slot.param for b in self.buckets for slot in b.slots),
+                                     self._on_grad)
         self._attach_grad_views()
         self.inner: Optional[torch.optim.Optimizer] = None
         self._setup_offload(pin_memory=pin_memory, delayed_update=delayed_update,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ...comm.topology import global_rank, group_world_rank  # noqa: F401 (re-exported)
 from ...errors import ZeroError
+from ...utils.hooks import weak_method
 from .storage import ShardStorage, TensorShard
 
 if TYPE_CHECKING:
@@ -205,8 +206,9 @@ class Partitioner:
             weakref.finalize(p, _forget, id(p), self)
 
     def watch_whole(self, p: torch.nn.Parameter, on_modified: OnModified) -> None:
-        """A whole parameter whose fp32 master must follow a ``GatheredParameters`` edit."""
-        self._whole[id(p)] = (weakref.ref(p), on_modified)
+        """A whole parameter whose fp32 master must follow a ``GatheredParameters`` edit
+        (``on_modified`` held weakly when it is a bound method: this table outlives engines)."""
+        self._whole[id(p)] = (weakref.ref(p), weak_method(on_modified))
         self._claim(p)
 
     # --- partition / adopt / unpartition ---------------------------------------------------

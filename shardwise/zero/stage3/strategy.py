@@ -46,6 +46,7 @@ from ...offload.host_pieces import HostPieces
 from ...offload.step_schedule import StepSchedule
 from ...offload.nvme_states import NvmeOptimizerStates, pieces_on_nvme
 from ...offload.step_subset import HiddenGrads, step_subset
+from ...utils.hooks import add_grad_hooks, weak_method
 from ...utils.logging import log_dist
 from ..data_parallel import DataParallelStrategy
 from ..shard_view import ShardView
@@ -149,11 +150,10 @@ class Stage3Strategy(ZeroStrategy):
             separate_masters=self.delayed)
 
     def _install_grad_hooks(self, whole_groups: List[List[tuple]]) -> None:
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                            for params in self.trainable for p in params]
+        self._grad_hooks = add_grad_hooks(sum(self.trainable, []), self._on_grad)
         # requires_grad but not given to the optimizer: drop the gradient, free the weight
-        self._grad_hooks += [p.register_post_accumulate_grad_hook(self._drop_grad)
-                             for p in self.frozen_parts if p.requires_grad]
+        self._grad_hooks += add_grad_hooks((p for p in self.frozen_parts if p.requires_grad),
+                                           self._drop_grad)
         for named in whole_groups:
             for _, p in named:
                 self.partitioner.watch_whole(p, self.whole.refresh_master_of)
@@ -179,9 +179,9 @@ class Stage3Strategy(ZeroStrategy):
                                    for params in self.trainable],
                                   device=self.master_device, pin=self.pin_opt,
                                   double_grads=self.delayed, masters_on_nvme=self.nvme_opt)
-        for params in self.trainable:
-            for p in params:
-                self.rec[id(p)].on_modified = self._refresh_master
+        refresh = weak_method(self._refresh_master)  # the records outlive this strategy
+        for p in sum(self.trainable, []):
+            self.rec[id(p)].on_modified = refresh
 
     def _build_offload_step(self) -> None:
         """When the masters are stepped (:class:`StepSchedule`), the eager window and where
