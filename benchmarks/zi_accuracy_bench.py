@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,6 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 sys.path.insert(0, str(BENCH_DIR))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from _common import stdlib_corpus  # noqa: E402
 
@@ -72,19 +70,6 @@ def windows(data: torch.Tensor, seq: int) -> torch.Tensor:
     return data[:n * seq].reshape(n, -1).long()
 
 
-@torch.no_grad()
-def perplexity(forward, ids: torch.Tensor, chunk: int = 8) -> float:
-    """exp(mean next-token cross-entropy) over every window of ``ids``."""
-    total, count = 0.0, 0
-    for start in range(0, ids.shape[0], chunk):
-        part = ids[start:start + chunk]
-        logits = forward(part).float()
-        total += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                 part[:, 1:].reshape(-1), reduction="sum").item()
-        count += part[:, 1:].numel()
-    return math.exp(total / count)
-
-
 def zi_engine(model: torch.nn.Module, bits: Any):
     """The ZeRO-Inference route: stage 3 + ``offload_param`` cpu, every decoder layer streamed
     (persistence threshold below a layer's matrices), optionally weight-quantized."""
@@ -99,7 +84,7 @@ def zi_engine(model: torch.nn.Module, bits: Any):
 
 
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
-    from shardwise.inference.quant import FIXED_TEXT
+    from shardwise.inference.quant import FIXED_TEXT, perplexity
     corpus = stdlib_corpus(max_bytes=args.corpus_mb << 20)
     held = args.heldout_kb << 10
     train_part, heldout = corpus[:-held], corpus[-held:]
@@ -110,15 +95,16 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     losses = train(model, train_part, args)
     train_s = time.perf_counter() - start
     model.eval()
-    rows = [{"variant": "plain", "bits": 32,
-             **{t: perplexity(lambda x: model(x).logits, ids) for t, ids in texts.items()}}]
-    for name, bits in VARIANTS.items():
-        engine = zi_engine(model, bits)
-        row = {"variant": name, "bits": bits or 32,
-               "bytes_per_pass": engine.streamer.bytes_per_pass}
-        row.update({t: perplexity(lambda x: engine(x).logits, ids) for t, ids in texts.items()})
-        engine.streamer.close()
-        rows.append(row)
+    with torch.no_grad():  # every held-out window in one forward per variant
+        rows = [{"variant": "plain", "bits": 32,
+                 **{t: perplexity(lambda x: model(x).logits, ids) for t, ids in texts.items()}}]
+        for name, bits in VARIANTS.items():
+            engine = zi_engine(model, bits)
+            row = {"variant": name, "bits": bits or 32,
+                   "bytes_per_pass": engine.streamer.bytes_per_pass}
+            row.update({t: perplexity(lambda x: engine(x).logits, ids) for t, ids in texts.items()})
+            engine.streamer.close()
+            rows.append(row)
     for row in rows:
         for t in texts:
             row[f"{t}_rel"] = row[t] / rows[0][t] - 1.0
