@@ -66,11 +66,12 @@ def test_nvme_row_measures_the_disk_through_the_streamer(tmp_path):
     """The 2026-12-06 issue22 call lost its NVMe row after generating: the bench read the swap
     files through an attribute the streamer no longer had. One tiny NVMe row on the CPU runs
     the same code: tokens, then the direct-read speed of the swap files, then the fraction."""
+    import argparse
     import math
 
     import pytest
     bench = _bench()
-    args = bench.main.__globals__["argparse"].Namespace(
+    args = argparse.Namespace(
         mem_cap_gib=0.0, prompt=8, new=3, nvme_path=str(tmp_path), auto_cap=4)
     row = bench.measure(args, "tiny", "sw_nvme_bf16", 2)
     assert row["tok_s"] > 0 and row["rows"] == 2
