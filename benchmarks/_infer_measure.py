@@ -59,6 +59,16 @@ def build_model(torch: Any, size: str, device: str) -> Any:
     return model.eval()
 
 
+def base_variant(variant: str) -> str:
+    """``sw_inject@attention=split`` -> ``sw_inject``."""
+    return variant.partition("@")[0]
+
+
+def variant_options(variant: str) -> str:
+    """``sw_inject@gemv=reduction/attention=split`` -> ``gemv=reduction+attention=split``."""
+    return variant.partition("@")[2].replace("/", "+")
+
+
 def make_engine(variant: str, model: Any, torch: Any, max_tokens: int, device: str,
                 decode: str = "") -> Any:
     """The variant's engine around ``model``; ``decode``: DecodeOptions for shardwise's step."""
@@ -105,7 +115,7 @@ def measure_batch(torch: Any, engine: Any, variant: str, size: str, batch: int, 
     ids = torch.randint(0, SIZES[size]["vocab_size"], (batch, args.prompt), device=args.device)
     extra = {"cache_implementation": "static"} if variant == "hf_static" else {}
     t0 = time.perf_counter()
-    compiled = variant in COMPILED
+    compiled = base_variant(variant) in COMPILED
     _timed(torch, engine, ids, args.new if compiled else 2, extra, args.device)
     row: Dict[str, Any] = {"cold_start_s": setup_s + time.perf_counter() - t0}
     if variant == "hf_static":  # transformers compiles after its first call
@@ -152,8 +162,9 @@ def run_unit(size: str, variants: List[str], batches: List[int], args: Any) -> N
         t1 = time.perf_counter()
         try:
             ppl = _perplexity(torch, model, size, args.device) if variant == "sw_int8" else None
-            engine = make_engine(variant, model, torch, args.prompt + args.new, args.device,
-                                 args.decode if variant.startswith("sw") else "")
+            decode = variant_options(variant) or (args.decode if variant.startswith("sw") else "")
+            engine = make_engine(base_variant(variant), model, torch, args.prompt + args.new,
+                                 args.device, decode)
             extra: Dict[str, Any] = {}
             if ppl is not None:  # int8's accuracy cost on a fixed text (random weights: relative)
                 after = _perplexity(torch, engine.module, size, args.device)
@@ -171,8 +182,8 @@ def run_unit(size: str, variants: List[str], batches: List[int], args: Any) -> N
             except Exception as exc:
                 row["error"] = _note(exc)
             row.update(extra, weight_bytes=bf16_bytes)
-            if args.decode and variant in ("sw_inject", "sw_int8"):
-                row["decode"] = args.decode
+            if decode and base_variant(variant) in ("sw_inject", "sw_int8"):
+                row["decode"] = decode
             if bandwidth and "tok_s" in row:
                 bound = bandwidth / bf16_bytes
                 row.update(copy_tb_s=bandwidth / 1e12, hbm_bound_tok_s=bound,

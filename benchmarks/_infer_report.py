@@ -11,11 +11,17 @@ LABELS = {"hf_eager": "HF eager", "hf_static": "HF static+compile", "ds": "DeepS
           "sw_inject": "shardwise inject", "sw_int8": "shardwise int8 inject"}
 
 
+def label(variant: str) -> str:
+    """The table's name of a variant (``@OPTIONS`` kept after it)."""
+    name, _, options = variant.partition("@")
+    return LABELS[name] + (f" @{options}" if options else "")
+
+
 def sorted_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     order = {v: i for i, v in enumerate(ORDER)}
     size_order = {"tiny": 0, "1.1b": 1, "7b": 2}
     return sorted(rows, key=lambda r: (size_order.get(r["size"], 9), r["batch"],
-                                       order.get(r["variant"], 99)))
+                                       order.get(r["variant"].partition("@")[0], 99), r["variant"]))
 
 
 def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
@@ -24,29 +30,29 @@ def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
 
 def print_tables(rows: List[Dict[str, Any]]) -> None:
     rows = sorted_rows(rows)
-    print(f"\n{'size':5} {'variant':22} {'B':>3} {'tok/s':>9} {'ms/tok':>8} {'HBM%':>6} "
+    print(f"\n{'size':5} {'variant':34} {'B':>3} {'tok/s':>9} {'ms/tok':>8} {'HBM%':>6} "
           f"{'1st tok ms':>10} {'peak GiB':>8} {'cold s':>7}")
     for r in rows:
         if "error" in r:
-            print(f"{r['size']:5} {LABELS[r['variant']]:22} {r['batch']:>3} FAILED: {r['error']}")
+            print(f"{r['size']:5} {label(r['variant']):34} {r['batch']:>3} FAILED: {r['error']}")
             continue
-        print(f"{r['size']:5} {LABELS[r['variant']]:22} {r['batch']:>3} {r['tok_s']:9.1f} "
+        print(f"{r['size']:5} {label(r['variant']):34} {r['batch']:>3} {r['tok_s']:9.1f} "
               f"{r['ms_per_token']:8.2f} {_fmt(r.get('hbm_fraction'), '6.1f', 100)} "
               f"{r.get('first_token_ms', r['prefill_ms']):10.1f} {_fmt(r.get('peak_gib'), '8.1f')} "
               f"{r['cold_start_s']:7.1f}")
-    print(f"\nratios (tokens/s): {'size':5} {'variant':22} {'B':>3} {'vs HF static':>12} "
+    print(f"\nratios (tokens/s): {'size':5} {'variant':34} {'B':>3} {'vs HF static':>12} "
           f"{'vs HF eager':>11} {'vs DeepSpeed':>12} {'vs sw inject':>12}")
     for r in rows:
         if "error" in r:
             continue
-        print(f"                   {r['size']:5} {LABELS[r['variant']]:22} {r['batch']:>3} "
+        print(f"                   {r['size']:5} {label(r['variant']):34} {r['batch']:>3} "
               f"{tok_s_ratio(rows, r, 'hf_static'):>12} {tok_s_ratio(rows, r, 'hf_eager'):>11} "
               f"{tok_s_ratio(rows, r, 'ds'):>12} {tok_s_ratio(rows, r, 'sw_inject'):>12}")
     print("(vs sw inject of the int8 row = int8 over our bf16; HBM% = sequence tokens/s over "
           "copy bandwidth / bf16 weight bytes; cold = build + engine + first generate)")
     options = sorted({(r["size"], r["variant"], r["decode"]) for r in rows if r.get("decode")})
     for size, variant, decode in options:
-        print(f"{size} {LABELS[variant]}: decode step with DecodeOptions {decode}")
+        print(f"{size} {label(variant)}: decode step with DecodeOptions {decode}")
 
 
 def print_int8_accuracy(rows: List[Dict[str, Any]]) -> None:

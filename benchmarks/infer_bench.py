@@ -2,7 +2,8 @@
 
 Random-init Llama in bf16, prompt ``--prompt`` tokens, ``--new`` new tokens, greedy. Work is
 cut into *units*, ``SIZE:VARIANTS:BATCHES`` (e.g. ``7b:sw_inject:1,8,32``,
-``1.1b:hf_eager+sw_eager:1,8,32``); each unit is one fresh Python process that builds the
+``1.1b:hf_eager+sw_eager:1,8,32``; ``sw_inject@attention=split`` is shardwise's compiled step
+with other ``DecodeOptions``, several joined by ``/``); each unit is one fresh Python process that builds the
 model once and prints a row per (variant, batch) as soon as it has it. Hugging Face's static
 cache + compile gets one unit per batch size (its compiled graphs must not see another
 batch's), as the issue asks. Rows are saved to ``--out`` after every unit, a unit has its
@@ -15,12 +16,14 @@ generate: prefill + one token), peak memory, cold start (model build + engine + 
 generate at that batch: load, compile and graph capture). Tables of ratios and of the
 issue's targets come last.
 
-The full matrix in two device calls of < 9.5 minutes (see ``PRESETS``; ``--plan`` prints
-the units and the time estimate without running anything):
+The full matrix in three device calls of < 9.5 minutes (see ``PRESETS``; ``--plan`` prints
+the units and the time estimate without running anything; call3 leaves room for
+decode_probe.py in the same call):
 
     python benchmarks/infer_bench.py --preset call1 --out $OUT/infer_call1.json
     python benchmarks/infer_bench.py --preset call2 --out $OUT/infer_call2.json
-    python benchmarks/infer_bench.py --merge infer_call1.json infer_call2.json     # one table
+    python benchmarks/infer_bench.py --preset call3 --out $OUT/infer_call3.json
+    python benchmarks/infer_bench.py --merge infer_call1.json infer_call2.json infer_call3.json
     python benchmarks/infer_bench.py --units 7b:sw_inject:1 7b:hf_static:1 --budget 200
     python benchmarks/infer_bench.py --device cpu --units tiny:hf_eager+sw_eager+sw_inject:1 \
         --prompt 16 --new 8                                                      # CPU smoke
@@ -40,23 +43,26 @@ from typing import Any, Dict, List, Optional, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's shardwise
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _child_run import child_env, tok_s_ratio  # noqa: E402,F401  (the tests read it here)
-from _infer_measure import SIZES, build_model, copy_bandwidth, run_unit  # noqa: E402,F401
+from _infer_measure import (SIZES, base_variant, build_model, copy_bandwidth,  # noqa: E402,F401
+                            run_unit, variant_options)
 from _infer_report import (print_int8_accuracy, print_tables, print_targets,  # noqa: E402,F401
                            target_lines)
 
 VARIANTS = ["hf_eager", "hf_static", "ds", "ds_inject", "sw_eager", "sw_inject", "sw_int8"]
 
-#: the issue's matrix in two calls, most important units first: a budget cut drops the tail,
+#: the issue's matrix in three calls, most important units first: a budget cut drops the tail,
 #: which is listed (run it with --units in a later call). Not in them: int8 at 1.1B and at
 #: batch 8/32 (the int8 target is 7B batch 1), the 7B's eager / DeepSpeed rows at batch 8/32
-#: (no target reads them). DeepSpeed's kernel injection comes last in each call: it may
+#: (no target reads them). DeepSpeed's kernel injection comes last in a call: it may
 #: JIT-build DeepSpeed's CUDA ops before it fails (minutes), and where it fails its rows
-#: carry the exact error.
+#: carry the exact error. ``sw_inject@attention=split``: flash-decoding for the 7B's batch 1
+#: and 8 next to the default step (batch x KV heads under 2 x SMs there).
 PRESETS: Dict[str, List[str]] = {
     "call1": ["1.1b:sw_inject:1,8,32", "1.1b:hf_static:1", "1.1b:hf_static:8", "1.1b:hf_static:32",
               "1.1b:ds:1,8,32", "7b:ds:1", "1.1b:hf_eager+sw_eager:1,8,32", "1.1b:ds_inject:1"],
-    "call2": ["7b:sw_inject:1,8,32", "7b:hf_static:1", "7b:sw_int8:1", "7b:hf_static:8",
-              "7b:hf_static:32", "7b:hf_eager+sw_eager:1", "7b:ds_inject:1"],
+    "call2": ["7b:sw_inject:1,8,32", "7b:hf_static:1", "7b:sw_inject@attention=split:1,8",
+              "7b:sw_int8:1", "7b:ds_inject:1"],
+    "call3": ["7b:hf_static:8", "7b:hf_static:32", "7b:hf_eager+sw_eager:1"],
 }
 
 #: seconds, measured or guessed from the last session (cold start 54-56 s incl. compile):
@@ -77,9 +83,15 @@ def parse_unit(text: str) -> Tuple[str, List[str], List[int]]:
     if len(parts) != 3:
         raise SystemExit(f"unit {text!r}: expected SIZE:VARIANTS:BATCHES, e.g. 7b:sw_inject:1,8,32")
     size, variants, batches = parts[0], parts[1].split("+"), [int(b) for b in parts[2].split(",")]
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if base_variant(v) not in VARIANTS]
     if size not in SIZES or bad:
         raise SystemExit(f"unit {text!r}: sizes are {sorted(SIZES)}, variants {VARIANTS}")
+    for v in variants:
+        if "@" in v:
+            if base_variant(v) not in ("sw_inject", "sw_int8"):
+                raise SystemExit(f"unit {text!r}: only sw_inject / sw_int8 take @DecodeOptions")
+            from shardwise.inference.decode import DecodeOptions
+            DecodeOptions.parse(variant_options(v))  # a typo fails before anything runs
     return size, variants, batches
 
 
@@ -87,7 +99,7 @@ def estimate_s(unit: str) -> float:
     """A rough wall time of one unit (see the constants above)."""
     size, variants, batches = parse_unit(unit)
     seconds = STARTUP_S["ds" if any(v.startswith("ds") for v in variants) else "plain"] + BUILD_S[size]
-    for v in variants:
+    for v in map(base_variant, variants):
         if v == "ds_inject":
             seconds += ROW_S["ds_inject"][size]
             continue

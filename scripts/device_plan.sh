@@ -12,7 +12,7 @@
 # (issue 19's before/after), issue25 + issue25d (issue 25's grid, tuner and DeepSpeed rows),
 # issue21's disk rows, gputests (35 passed), gputests3 (19 passed, 1 skipped), issue21s (2.08x
 # after d75f283), issue22 + issue22b (issue 22's whole matrix).
-# With one GPU (30 device-minutes) next: issue20a, issue20b, issue23 (then issue20p, issue23d).
+# With one GPU (30 device-minutes) next: issue20b, issue20a, issue20c (then issue23, issue23d).
 # With eight: `parallel issue20p issue20a issue20b issue23 issue26c issue26d issue26l issue26f`
 # in one lease, then issue26s/23d alone.
 #
@@ -52,7 +52,8 @@ CALLS=(
   "issue23d    23  560 s  DeepSpeed's hybrid engine at 7B and 1.1B (its kernels JIT-built)"
   "issue20p    20  500 s  decode_probe: the 7B batch-1 step's kernels and options"
   "issue20a    20  560 s  infer_bench --preset call1 (1.1B matrix)"
-  "issue20b    20  560 s  infer_bench --preset call2 (7B matrix)"
+  "issue20b    20  560 s  infer_bench --preset call2 (7B compiled rows, split attention, int8)"
+  "issue20c    20  540 s  infer_bench --preset call3 (7B HF static 8/32, eager) + 7B decode_probe"
   "issue22     22  560 s  zero_inference_bench --plan issue22"
   "issue22b    22  420 s  zero_inference_bench --plan issue22b (NVMe rows, batch 64, DeepSpeed B=16)"
   "issue26f    26  560 s  fp8_bench --quick"
@@ -228,7 +229,12 @@ run_issue20p() {
 }
 
 run_issue20a() { python3 benchmarks/infer_bench.py --preset call1 --budget 540 --out "$OUT/infer_call1.json"; }
-run_issue20b() { python3 benchmarks/infer_bench.py --preset call2 --budget 540 --out "$OUT/infer_call2.json"; }
+run_issue20b() { python3 benchmarks/infer_bench.py --preset call2 --budget 550 --out "$OUT/infer_call2.json"; }
+run_issue20c() {
+  python3 benchmarks/infer_bench.py --preset call3 --budget 240 --out "$OUT/infer_call3.json"
+  python3 benchmarks/decode_probe.py --budget 270 \
+    --jobs 7b:base,7b:attention=split,7b:gemv=reduction,7b:gemv=reduction+attention=split
+}
 
 run_issue22() {
   python3 benchmarks/zero_inference_bench.py --plan issue22 --budget-s 480 --timeout 150 \
