@@ -508,6 +508,12 @@ def setup_sw_z2_compile_fp8(model, batches, cfg, device) -> StepFn:
     return _setup_shardwise_compile(model, batches, cfg, device, "blocks", fp8=True)
 
 
+def setup_sw_z3_compile_fp8(model, batches, cfg, device) -> StepFn:
+    """``sw_z3_compile`` with the decoder linears in FP8: ZeRO-3 gathers the bf16 shards,
+    Float8Linear casts inside each compiled layer."""
+    return _setup_shardwise_compile(model, batches, cfg, device, "blocks", fp8=True, zero_key="z3")
+
+
 def _bind(setup: Callable[..., StepFn], zero_key: str) -> Callable[..., StepFn]:
     def bound(model, batches, cfg, device) -> StepFn:
         return setup(model, batches, cfg, device, zero_key)
@@ -549,6 +555,7 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "sw_z2_wallclock": setup_sw_z2_wallclock,
     "sw_z2_fp8": setup_sw_z2_fp8,
     "sw_z2_compile_fp8": setup_sw_z2_compile_fp8,
+    "sw_z3_compile_fp8": setup_sw_z3_compile_fp8,
 }
 
 

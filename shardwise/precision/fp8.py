@@ -43,8 +43,12 @@ def torchao_available() -> bool:
     return True
 
 
-def check_fp8_available(device: torch.device, zero_stage: int) -> None:
-    """Raise the error that says why FP8 training cannot run here; return when it can."""
+def check_fp8_available(device: torch.device) -> None:
+    """Raise the error that says why FP8 training cannot run here; return when it can.
+
+    Every ZeRO stage can: stage 3 gathers each block's weights before its forward and
+    backward, and ``Float8Linear`` casts the gathered high-precision weight to FP8 inside them
+    (the shards, the all-gather and the reduce-scatter stay in the model's dtype)."""
     if not torchao_available():
         raise ConfigError(f"fp8.enabled is true but torchao's float8 training is not importable: "
                           f"{INSTALL_HINT}; or set \"fp8\": {{\"enabled\": false}}")
@@ -60,10 +64,6 @@ def check_fp8_available(device: torch.device, zero_stage: int) -> None:
             f"fp8.enabled is true but {name} has compute capability "
             f"{capability[0]}.{capability[1]}; FP8 matmuls need >= "
             f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper or newer). Use bf16 here")
-    if zero_stage >= 3:
-        raise UnsupportedFeatureError(
-            "fp8.enabled is true with zero_optimization.stage 3, which is not yet supported "
-            "(stage 3's parameter gathering is being reshaped); use stage 0, 1 or 2 with fp8")
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,12 @@ def convert_fp8(model: torch.nn.Module, plan: FP8Plan, recipe: str) -> int:
 
 
 def apply_fp8(model: torch.nn.Module, recipe: str, skip_modules: Sequence[str],
-              device: torch.device, zero_stage: int) -> FP8Plan:
-    """Check the platform, then convert the chosen linear layers (the ``fp8`` section)."""
-    check_fp8_available(device, zero_stage)
+              device: torch.device) -> FP8Plan:
+    """Check the platform, then convert the chosen linear layers (the ``fp8`` section).
+
+    Runs before any ZeRO strategy sees the model: the swapped modules keep their Parameter
+    objects, so stage 3 partitions, gathers and hooks the same parameters it would have."""
+    check_fp8_available(device)
     plan = plan_fp8(model, skip_modules)
     if not plan.convert:
         raise ConfigError(f"fp8.enabled is true but no nn.Linear of the model can use FP8 "

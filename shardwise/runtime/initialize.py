@@ -252,8 +252,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
 
 def _apply_fp8(cfg: ShardwiseConfig, model: torch.nn.Module, device: torch.device) -> None:
     from ..precision.fp8 import apply_fp8
-    plan = apply_fp8(model, cfg.fp8.recipe, cfg.fp8.skip_modules, device,
-                     cfg.zero_optimization.stage)
+    plan = apply_fp8(model, cfg.fp8.recipe, cfg.fp8.skip_modules, device)
     log_dist(f"fp8: {len(plan.convert)} linear layers use FP8 matmuls (recipe "
              f"{cfg.fp8.recipe!r}), {len(plan.skipped)} stay in high precision", ranks=[0])
 

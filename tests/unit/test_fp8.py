@@ -1,8 +1,7 @@
 """The ``fp8`` section on CPU: it validates, picks the right linear layers, and errors clearly
-where FP8 cannot run (no torchao, a CPU, a GPU before Ada/Hopper, ZeRO stage 3)."""
+where FP8 cannot run (no torchao, a CPU, a GPU before Ada/Hopper). Stage 3 + fp8 trains in
+tests/distributed/test_fp8_zero3.py."""
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -87,25 +86,21 @@ def _fake_gpu(monkeypatch, capability) -> torch.device:
 def test_gpu_before_ada_is_refused(monkeypatch) -> None:
     device = _fake_gpu(monkeypatch, (8, 0))
     with pytest.raises(UnsupportedFeatureError, match=r"Fake GPU has compute capability 8\.0"):
-        fp8.check_fp8_available(device, zero_stage=2)
+        fp8.check_fp8_available(device)
 
 
-def test_stage3_is_refused_as_not_yet_supported(monkeypatch) -> None:
-    device = _fake_gpu(monkeypatch, (9, 0))
-    fp8.check_fp8_available(device, zero_stage=2)  # Hopper at stage 2: fine
-    with pytest.raises(UnsupportedFeatureError, match=r"stage 3.*not yet supported"):
-        fp8.check_fp8_available(device, zero_stage=3)
+def test_hopper_and_ada_pass_the_check(monkeypatch) -> None:
+    for capability in ((9, 0), (8, 9), (10, 0)):
+        fp8.check_fp8_available(_fake_gpu(monkeypatch, capability))
 
 
 def test_no_convertible_layer_is_an_error(monkeypatch) -> None:
     device = _fake_gpu(monkeypatch, (9, 0))
     model = tiny_llama()
     with pytest.raises(ConfigError, match=r"no nn\.Linear of the model can use FP8"):
-        fp8.apply_fp8(model, "tensorwise", ["model.layers.*"], device, zero_stage=2)
+        fp8.apply_fp8(model, "tensorwise", ["model.layers.*"], device)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
-                    reason="torchao (optional third-party package) is not installed")
 def test_conversion_keeps_parameter_names_shapes_and_objects() -> None:
     # the module swap runs on CPU; the FP8 matmuls themselves are tested in tests/gpu
     model = tiny_llama()
@@ -118,13 +113,11 @@ def test_conversion_keeps_parameter_names_shapes_and_objects() -> None:
     assert type(model.lm_head).__name__ == "Linear"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
-                    reason="torchao (optional third-party package) is not installed")
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_engine_trains_fp8_and_its_checkpoint_loads_without_fp8(tmp_path, monkeypatch, stage) -> None:
     # torch's CPU _scaled_mm runs the FP8 matmuls here; the platform check is what refuses
     # CPUs for users, so it is bypassed for this test of the engine wiring only
-    monkeypatch.setattr(fp8, "check_fp8_available", lambda device, zero_stage: None)
+    monkeypatch.setattr(fp8, "check_fp8_available", lambda device: None)
     cfg = {**BASE, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
            "fp8": {"enabled": True, "recipe": "tensorwise"}}
     engine, *_ = shardwise.initialize(model=tiny_llama(), config=cfg)
@@ -141,7 +134,11 @@ def test_engine_trains_fp8_and_its_checkpoint_loads_without_fp8(tmp_path, monkey
     plain_cfg = {k: v for k, v in cfg.items() if k != "fp8"}
     plain, *_ = shardwise.initialize(model=tiny_llama(), config=plain_cfg)
     plain.load_checkpoint(str(tmp_path), tag="t")
-    saved = engine.module.state_dict()
-    loaded = plain.module.state_dict()
+    from shardwise.zero import GatheredParameters
+    with GatheredParameters(list(engine.module.parameters())):  # stage 3: the whole tensors
+        saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    with GatheredParameters(list(plain.module.parameters())):
+        loaded = {k: v.clone() for k, v in plain.module.state_dict().items()}
     assert loaded.keys() == saved.keys()
+    assert all(v.numel() > 0 for v in saved.values())
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
