@@ -155,6 +155,17 @@ def _merge_rows(rows: List[Dict[str, Any]], new: List[Dict[str, Any]]) -> List[D
     return [r for r in rows if (r["size"], r["variant"], r["batch"]) not in keys] + new
 
 
+def merge_saved(saved: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """Rows of several runs as one set: per (size, variant, batch) the last measured row, or
+    the last error where none was measured (a unit skipped in one call and run in another)."""
+    best: Dict[Tuple[str, str, int], Dict[str, Any]] = {}
+    for row in (r for rows in saved for r in rows):
+        key = (row["size"], row["variant"], row["batch"])
+        if "error" not in row or "error" in best.get(key, {"error": ""}):
+            best[key] = row
+    return list(best.values())
+
+
 def drive(units: List[str], args: argparse.Namespace) -> List[Dict[str, Any]]:
     out = Path(args.out) if args.out else None
     rows = json.loads(out.read_text()) if out is not None and out.is_file() else []
@@ -202,7 +213,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_unit(size, variants, batches, args)
         return 0
     if args.merge:
-        rows = [row for path in args.merge for row in json.loads(Path(path).read_text())]
+        rows = merge_saved([json.loads(Path(path).read_text()) for path in args.merge])
         print_int8_accuracy(rows)
         print_tables(rows)
         print_targets(rows)

@@ -50,12 +50,15 @@ class DecodeOptions:
     """Projections of a decode step with at most ``quant.GEMV_ROWS`` rows: "cublas"
     (``F.linear``, a cuBLAS GEMV) or "reduction" (multiply + sum, which inductor turns into one
     Triton reduction with the neighbouring elementwise ops fused into it)."""
-    attention: str = "sdpa"
+    attention: str = "auto"
     """Decode attention: "sdpa" (``F.scaled_dot_product_attention`` with a mask: one block of
     the efficient kernel per KV head), "split" (flash-decoding: the cache in 64-key blocks
     through the same kernel, combined by their log-sum-exp; ``layers.split_kv_attention``;
-    only while batch x KV heads < 2 x the SM count, beyond that "sdpa" fills the GPU) or
-    "reduction" (q.k, softmax and p.v as reductions over the cache, fp32 accumulation)."""
+    only while batch x KV heads < 2 x the SM count, beyond that "sdpa" fills the GPU),
+    "reduction" (q.k, softmax and p.v as reductions over the cache, fp32 accumulation) or
+    "auto": "split" while batch x KV heads <= SMs / 8, else "sdpa". Measured on one H100
+    (132 SMs, RESULTS.md sixteenth session): split was 1.10x sdpa for the 1.1B Llama at batch
+    1 (4 KV heads), 0.92x for the 7B at batch 1 (32), 0.77x at batch 8 (256)."""
     coordinate_descent: bool = True
     """inductor's ``coordinate_descent_tuning`` (gpt-fast's setting) for the step's kernels."""
     max_autotune: bool = False
@@ -78,10 +81,22 @@ class DecodeOptions:
 
     def __post_init__(self) -> None:
         for name, allowed in (("gemv", ("cublas", "reduction")),
-                              ("attention", ("sdpa", "split", "reduction"))):
+                              ("attention", ("auto", "sdpa", "split", "reduction"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"DecodeOptions.{name} = {getattr(self, name)!r}; expected one of "
                                   f"{', '.join(allowed)}.")
+
+
+def decode_attention_kind(option: str, groups: int, length: int, sms: int) -> str:
+    """The attention a decode step runs for ``DecodeOptions.attention`` = ``option``, with
+    ``groups`` = batch x KV heads (one block of the plain kernel each), a cache of ``length``
+    keys and ``sms`` SMs (0: not a GPU). "split" needs whole 64-key blocks and pays only while
+    the plain kernel has under 2 blocks per SM; "auto" splits up to SMs / 8 groups."""
+    if option == "auto":
+        option = "split" if groups <= sms // 8 else "sdpa"
+    if option == "split" and (length % SPLIT_KV_CHUNK or groups >= 2 * sms):
+        return "sdpa"
+    return option
 
 
 class StaticCache(nn.Module):
@@ -139,8 +154,8 @@ class Block(nn.Module):
         self.pre_norm, self.parallel = spec.pre_norm, spec.parallel_residual
         self.scale = spec.attn_scale
         self.prescale_q = spec.prescale_q
-        self.decode_attention = "sdpa"  # DecodeOptions.attention (CUDA decode steps)
-        self.split_below = 0  # "split" only while batch x KV heads is under this (2 blocks per SM)
+        self.decode_attention = "auto"  # DecodeOptions.attention (CUDA decode steps)
+        self.sms = 0  # the SM count of the weights' GPU (set_options); 0: never split
         self.qkv = self._qkv(spec, layer, plan)
         self.o = row_parallel(layer.o, plan.chunk(spec.n_heads * spec.head_dim) if plan.active else None, plan)
         if layer.gate is not None:
@@ -204,9 +219,9 @@ class Block(nn.Module):
                                                  is_causal=mask is None and t > 1)
         else:  # decode, GQA without copying K/V: a KV head's G query heads become G query rows
             q = q.reshape(b, self.kv_heads, g * t, self.head_dim)
-            kind = self.decode_attention if q.is_cuda else "sdpa"
-            splits = keys.shape[2] % SPLIT_KV_CHUNK == 0 and b * self.kv_heads < self.split_below
-            if kind == "split" and splits:
+            kind = decode_attention_kind(self.decode_attention if q.is_cuda else "sdpa",
+                                         b * self.kv_heads, keys.shape[2], self.sms)
+            if kind == "split":
                 out = split_kv_attention(q, keys, values, mask, scale)
             elif kind == "reduction" and torch.compiler.is_compiling():
                 out = reduction_attention(q, keys, values, mask, scale)
@@ -349,11 +364,13 @@ class FastDecoder(nn.Module):
                 module.reduce_gemv = options.gemv == "reduction"
             elif isinstance(module, Block):
                 module.decode_attention = options.attention
-                # splitting the cache pays while the plain kernel has under 2 blocks per SM
-                module.split_below = 2 * sms
+                module.sms = sms
 
     def compile_step(self, cuda_graph: bool) -> None:
-        """Compile ``step`` (fullgraph); with ``cuda_graph`` its replays are CUDA graphs."""
+        """Compile ``step`` (fullgraph); with ``cuda_graph`` its replays are CUDA graphs. The
+        options are applied again first: the layers read the SM count of the weights' device
+        now, after the engine placed them."""
+        self.set_options(self.options)
         options = {"triton.cudagraphs": bool(cuda_graph),
                    "coordinate_descent_tuning": self.options.coordinate_descent,
                    "max_autotune": self.options.max_autotune, "epilogue_fusion": True}

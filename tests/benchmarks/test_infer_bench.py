@@ -146,3 +146,16 @@ def test_an_options_row_is_labelled_and_compared_with_the_default(capsys):
     assert "shardwise inject @attention=split" in out
     line = [ln for ln in out.splitlines() if "@attention=split" in ln and "x" in ln][0]
     assert line.split()[-1].endswith("x")  # its ratio to the default step's row
+
+
+def test_merge_keeps_the_measured_row_of_a_unit_skipped_in_another_call():
+    bench = _bench()
+    skipped = {"size": "7b", "variant": "sw_int8", "batch": 1, "error": "skipped: 78 s left"}
+    measured = {"size": "7b", "variant": "sw_int8", "batch": 1, "tok_s": 222.0}
+    other = {"size": "7b", "variant": "sw_inject", "batch": 1, "tok_s": 180.6}
+    for order in ([[skipped, other], [measured]], [[measured], [skipped, other]]):
+        rows = bench.merge_saved(order)
+        assert sorted((r["variant"], "error" in r) for r in rows) == [("sw_inject", False),
+                                                                      ("sw_int8", False)]
+    late_error = dict(skipped, error="timeout")
+    assert bench.merge_saved([[skipped], [late_error]]) == [late_error]

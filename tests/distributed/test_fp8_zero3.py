@@ -66,10 +66,13 @@ def train(rank: int, world: int, offload: bool, compiled: bool) -> dict:
     import shardwise
     from shardwise.precision import fp8
     from shardwise.zero import GatheredParameters
-    fp8.check_fp8_available = lambda device: None  # CPU: torch's _scaled_mm (see the docstring)
     torch._dynamo.reset()
-    cfg = config(offload)
-    engine, *_ = shardwise.initialize(model=build(), config=cfg)
+    check = fp8.check_fp8_available
+    fp8.check_fp8_available = lambda device: None  # CPU: torch's _scaled_mm (see the docstring)
+    try:  # world 1 runs in pytest's own process: the check comes back for the other tests
+        engine, *_ = shardwise.initialize(model=build(), config=config(offload))
+    finally:
+        fp8.check_fp8_available = check
     graphs = []
     if compiled:
         def backend(gm, example_inputs):  # aot_eager (no C++ toolchain needed), counted
