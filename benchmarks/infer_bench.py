@@ -63,6 +63,14 @@ PRESETS: Dict[str, List[str]] = {
     "call2": ["7b:sw_inject:1,8,32", "7b:hf_static:1", "7b:sw_inject@attention=split:1,8",
               "7b:sw_int8:1", "7b:ds_inject:1"],
     "call3": ["7b:hf_static:8", "7b:hf_static:32", "7b:hf_eager+sw_eager:1"],
+    # the levers for the targets the 2026-12-06 matrix missed, each next to the default in one
+    # call: cold start (regional compilation, coordinate descent off), 7B batch 32 (reduction
+    # attention), int8 (PyTorch's int8pack kernel), the 1.1B's batch 1 ("auto" splits there)
+    "levers1": ["7b:sw_inject:1,32", "7b:sw_inject@regional=true:1,32",
+                "7b:sw_inject@attention=reduction:32", "7b:sw_inject@coordinate_descent=false:1",
+                "1.1b:sw_inject:1"],
+    "levers2": ["7b:sw_int8:1", "7b:sw_int8@int8=int8pack:1", "7b:sw_int8@regional=true:1",
+                "1.1b:hf_static:1", "1.1b:sw_inject@regional=true:1"],
 }
 
 #: seconds, measured or guessed from the last session (cold start 54-56 s incl. compile):

@@ -12,7 +12,9 @@
 # (issue 19's before/after), issue25 + issue25d (issue 25's grid, tuner and DeepSpeed rows),
 # issue21's disk rows, gputests (35 passed), gputests3 (19 passed, 1 skipped), issue21s (2.08x
 # after d75f283), issue22 + issue22b (issue 22's whole matrix).
-# With one GPU (30 device-minutes) next: issue20b, issue20a, issue20c (then issue23, issue23d).
+# Done 2026-12-06 (sixteenth session): issue20b, issue20a and issue20c's matrix rows (the
+# matrix is complete; RESULTS.md "Sixteenth session").
+# With one GPU (30 device-minutes) next: issue20d, issue20e, issue23 (then issue23d, issue26*).
 # With eight: `parallel issue20p issue20a issue20b issue23 issue26c issue26d issue26l issue26f`
 # in one lease, then issue26s/23d alone.
 #
@@ -54,6 +56,8 @@ CALLS=(
   "issue20a    20  560 s  infer_bench --preset call1 (1.1B matrix)"
   "issue20b    20  560 s  infer_bench --preset call2 (7B compiled rows, split attention, int8)"
   "issue20c    20  540 s  infer_bench --preset call3 (7B HF static 8/32, eager) + 7B decode_probe"
+  "issue20d    20  560 s  infer_bench --preset levers1: regional compile, coordinate descent, B=32 attention"
+  "issue20e    20  540 s  infer_bench --preset levers2: int8 kernels, regional int8, 1.1B B=1 vs HF static"
   "issue22     22  560 s  zero_inference_bench --plan issue22"
   "issue22b    22  420 s  zero_inference_bench --plan issue22b (NVMe rows, batch 64, DeepSpeed B=16)"
   "issue26f    26  560 s  fp8_bench --quick"
@@ -230,6 +234,8 @@ run_issue20p() {
 
 run_issue20a() { python3 benchmarks/infer_bench.py --preset call1 --budget 540 --out "$OUT/infer_call1.json"; }
 run_issue20b() { python3 benchmarks/infer_bench.py --preset call2 --budget 550 --out "$OUT/infer_call2.json"; }
+run_issue20d() { python3 benchmarks/infer_bench.py --preset levers1 --budget 550 --out "$OUT/infer_levers1.json"; }
+run_issue20e() { python3 benchmarks/infer_bench.py --preset levers2 --budget 530 --out "$OUT/infer_levers2.json"; }
 run_issue20c() {
   python3 benchmarks/infer_bench.py --preset call3 --budget 240 --out "$OUT/infer_call3.json"
   python3 benchmarks/decode_probe.py --budget 270 \

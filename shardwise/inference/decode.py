@@ -27,11 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.accelerator import get_accelerator
+from shardwise.accelerator.graphs import GraphedCallable
 from shardwise.errors import ConfigError
 
 from .arch import DecoderSpec, LayerSpec
 from .layers import (SPLIT_KV_CHUNK, Proj, column_parallel, head_rows, reduction_attention,
                      row_parallel, split_kv_attention)
+from .quant import INT8_KERNELS, int8pack_available
 from .tp import TPPlan
 
 ROUND = 128  # cache lengths are rounded up to this, so few shapes get compiled
@@ -59,6 +61,16 @@ class DecodeOptions:
     "auto": "split" while batch x KV heads <= SMs / 8, else "sdpa". Measured on one H100
     (132 SMs, RESULTS.md sixteenth session): split was 1.10x sdpa for the 1.1B Llama at batch
     1 (4 KV heads), 0.92x for the 7B at batch 1 (32), 0.77x at batch 8 (256)."""
+    int8: str = "reduction"
+    """int8 weights (``dtype: "int8"``) in the compiled CUDA step: "reduction" (multiply + sum
+    over the int8 weight, one inductor reduction per projection) or "int8pack" (PyTorch's
+    ``torch._weight_int8pack_mm`` kernel, where this torch has it on CUDA; ``set_options``
+    raises where it does not)."""
+    regional: bool = False
+    """Compile each decoder layer instead of the whole step (regional compilation): dynamo
+    traces one layer and every identical layer reuses its graph, so the cold start no longer
+    grows with the layer count; the step around the layers runs eagerly and is captured as
+    one CUDA graph by ``accelerator.graphs.GraphedCallable`` (no fusion across layers)."""
     coordinate_descent: bool = True
     """inductor's ``coordinate_descent_tuning`` (gpt-fast's setting) for the step's kernels."""
     max_autotune: bool = False
@@ -80,7 +92,7 @@ class DecodeOptions:
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
-        for name, allowed in (("gemv", ("cublas", "reduction")),
+        for name, allowed in (("gemv", ("cublas", "reduction")), ("int8", INT8_KERNELS),
                               ("attention", ("auto", "sdpa", "split", "reduction"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"DecodeOptions.{name} = {getattr(self, name)!r}; expected one of "
@@ -276,6 +288,7 @@ class FastDecoder(nn.Module):
             ids = torch.arange(self.max_tokens, device=x.device)[None]
             cos, sin = self.spec.rotary(x, ids)
             self.rope_cos, self.rope_sin = cos[0].contiguous(), sin[0].contiguous()
+            self._graphs_read_stale_buffers()
         return self.rope_cos[positions], self.rope_sin[positions]
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -316,6 +329,7 @@ class FastDecoder(nn.Module):
                 from .kv_offload import OffloadedKVCache as kind
             self.cache = kind(len(self.blocks), batch, kv_heads, length, self.spec.head_dim,
                               dtype, device)
+            self._graphs_read_stale_buffers()
         return self.cache.length
 
     # --- prefill and step ----------------------------------------------------------------
@@ -333,7 +347,8 @@ class FastDecoder(nn.Module):
         cache = self.cache
         cache.begin_pass(t)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, cache.kv(i), None, attn_mask)
+            # hooks and forward, never a regional compile's code: prompt lengths vary
+            x = block._call_impl(x, rope, cache.kv(i), None, attn_mask)
             cache.written(i)
         cache.end_pass()
         return self._logits(x if all_logits else x[:, -1])
@@ -356,12 +371,18 @@ class FastDecoder(nn.Module):
 
     def set_options(self, options: DecodeOptions) -> None:
         """Use ``options`` for the next ``compile_step`` (the layers read them at trace time)."""
+        device = self.embed.weight.device
+        if options.int8 == "int8pack" and not int8pack_available(device.type):
+            raise ConfigError(f"DecodeOptions.int8 = 'int8pack' but this torch "
+                              f"({torch.__version__}) has no torch._weight_int8pack_mm for "
+                              f"{device.type}; use int8='reduction' (the default)")
         self.options = options
-        sms = torch.cuda.get_device_properties(self.embed.weight.device).multi_processor_count \
+        sms = torch.cuda.get_device_properties(device).multi_processor_count \
             if self.embed.weight.is_cuda else 0
         for module in self.modules():
             if isinstance(module, Proj):
                 module.reduce_gemv = options.gemv == "reduction"
+                module.int8_kernel = options.int8
             elif isinstance(module, Block):
                 module.decode_attention = options.attention
                 module.sms = sms
@@ -371,11 +392,26 @@ class FastDecoder(nn.Module):
         options are applied again first: the layers read the SM count of the weights' device
         now, after the engine placed them."""
         self.set_options(self.options)
-        options = {"triton.cudagraphs": bool(cuda_graph),
+        regional = self.options.regional
+        options = {"triton.cudagraphs": bool(cuda_graph) and not regional,
                    "coordinate_descent_tuning": self.options.coordinate_descent,
                    "max_autotune": self.options.max_autotune, "epilogue_fusion": True}
+        for block in self.blocks:
+            block._compiled_call_impl = None  # an earlier regional compile
+        if regional:
+            for block in self.blocks:  # one graph: the blocks share Block.forward's code
+                block.compile(fullgraph=True, dynamic=False, options=options)
+            self._step = GraphedCallable(self.step) if cuda_graph else self.step
+            self._graphs = False  # our own graphs: no cudagraph_mark_step_begin
+            return
         self._step = torch.compile(self.step, fullgraph=True, dynamic=False, options=options)
         self._graphs = bool(cuda_graph)
+
+    def _graphs_read_stale_buffers(self) -> None:
+        """The KV cache or the rotary tables were reallocated: our captured graphs (regional
+        compilation) read the old addresses. Inductor's graphs check their inputs themselves."""
+        if isinstance(self._step, GraphedCallable):
+            self._step.reset()
 
     def run_step(self, ids, pos, positions, key_mask) -> torch.Tensor:
         """The (compiled) step. Under CUDA graphs the logits live in the graph's memory and are

@@ -33,6 +33,7 @@ class Proj(nn.Module):
         self.register_buffer("scale", scale, persistent=False)
         self.plan = plan  # set for row-parallel layers: all-reduce, then add the bias
         self.reduce_gemv = False  # DecodeOptions.gemv == "reduction" (compiled CUDA decode step)
+        self.int8_kernel = "reduction"  # DecodeOptions.int8 (CUDA, int8 weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias_now = None if self.plan is not None else self.bias
@@ -43,7 +44,7 @@ class Proj(nn.Module):
         elif self.scale is None:
             y = F.linear(x, self.weight, bias_now)
         else:
-            y = int8_linear(x, self.weight, self.scale, bias_now)
+            y = int8_linear(x, self.weight, self.scale, bias_now, self.int8_kernel)
         if self.plan is not None:
             y = all_reduce(y, self.plan)
             if self.bias is not None:

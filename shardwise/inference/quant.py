@@ -60,11 +60,31 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
     return gemv(x, weight, scale)
 
 
+INT8_KERNELS = ("reduction", "int8pack")
+"""``DecodeOptions.int8``: how a compiled CUDA decode step multiplies by an int8 weight."""
+
+
+def int8pack_available(device_type: str) -> bool:
+    """True when this torch has ``_weight_int8pack_mm`` (CPU everywhere; CUDA in recent torch)."""
+    if not hasattr(torch, "_weight_int8pack_mm"):
+        return False
+    if device_type == "cpu":
+        return True
+    try:  # a 1x32 @ 32x8 probe: the op raises NotImplementedError where a backend lacks it
+        x = torch.zeros(1, 32, dtype=torch.bfloat16, device=device_type)
+        w = torch.zeros(8, 32, dtype=torch.int8, device=device_type)
+        torch._weight_int8pack_mm(x, w, torch.ones(8, dtype=torch.bfloat16, device=device_type))
+        return True
+    except (NotImplementedError, RuntimeError):
+        return False
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, kernel: str = "reduction") -> torch.Tensor:
     """x @ (weight * scale).T (+ bias) without materialising the float weight where possible.
 
-    * CPU, eager: ``torch._weight_int8pack_mm`` (PyTorch's int8 weight kernel);
+    * CPU, eager, or ``kernel="int8pack"`` on CUDA: ``torch._weight_int8pack_mm`` (PyTorch's
+      int8 weight kernel);
     * compiled, CUDA, a decode step of at most ``GEMV_ROWS`` rows: written as a broadcast
       multiply + sum, which inductor turns into one reduction kernel that reads the int8
       weight once and converts it in registers (the float weight never exists);
@@ -72,7 +92,9 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
       a prologue of its own matmul kernels under max-autotune).
     """
     rows = x.numel() // x.shape[-1]
-    if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm") and not torch.compiler.is_compiling():
+    pack = (x.device.type == "cpu" and not torch.compiler.is_compiling()) or \
+        (kernel == "int8pack" and x.device.type == "cuda")
+    if pack and hasattr(torch, "_weight_int8pack_mm"):
         shape = x.shape
         out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), weight,
                                         scale.to(x.dtype))

@@ -45,7 +45,8 @@ def test_bf16_and_int8_run_compiled():
 
 
 @pytest.mark.parametrize("options", ["gemv=reduction", "attention=split", "attention=reduction",
-                                     "gemv=reduction+attention=split"])
+                                     "gemv=reduction+attention=split", "regional=true",
+                                     "regional=true+attention=split"])
 def test_decode_options_give_hf_tokens_fp32(options):
     """Every DecodeOptions alternative of the compiled step (decode_probe compares their speed)."""
     from shardwise.inference.decode import DecodeOptions
@@ -61,6 +62,29 @@ def test_decode_options_give_hf_tokens_fp32(options):
         ref = m.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=1, eos_token_id=None)
         out = eng.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=1, eos_token_id=None)
         assert torch.equal(out, ref), (options, batch)
+
+
+def test_int8_kernels_give_the_same_tokens():
+    """DecodeOptions.int8: torch._weight_int8pack_mm against the inductor reduction (the same
+    int8 weights and scales; bf16 rounding may flip a late token), or a clear error where this
+    torch has no CUDA int8pack kernel."""
+    from shardwise.errors import ConfigError
+    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.quant import int8pack_available
+    m = tiny("llama")
+    ids, mask = _cuda(3)
+    eng = shardwise.init_inference(copy.deepcopy(m), dtype="int8", replace_with_kernel_inject=True,
+                                   max_out_tokens=64)
+    ref = eng.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    if not int8pack_available("cuda"):
+        with pytest.raises(ConfigError, match="int8pack"):
+            eng.decoder.set_options(DecodeOptions.parse("int8=int8pack"))
+        return
+    torch._dynamo.reset()
+    eng.decoder.set_options(DecodeOptions.parse("int8=int8pack"))
+    eng.decoder.compile_step(cuda_graph=True)
+    out = eng.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    assert out.shape == ref.shape and (out == ref).float().mean() > 0.8
 
 
 def test_split_kv_attention_with_the_efficient_kernel():

@@ -279,3 +279,69 @@ def test_compile_step_reads_the_options_again(monkeypatch):
         block.sms = 99
     eng.decoder.compile_step(cuda_graph=False)
     assert {(b.decode_attention, b.sms) for b in eng.decoder.blocks} == {("auto", 0)}
+
+
+def test_int8_kernel_option_reaches_every_projection_and_gives_the_same_tokens():
+    """DecodeOptions.int8 = "int8pack" routes the int8 projections through
+    torch._weight_int8pack_mm (on CPU it is the eager path anyway, so the tokens must not move);
+    a bad value names the choices."""
+    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.layers import Proj
+    with pytest.raises(ConfigError, match="int8 = 'fast'.*reduction, int8pack"):
+        DecodeOptions(int8="fast")
+    eng = shardwise.init_inference(tiny("llama"), dtype="int8", replace_with_kernel_inject=True,
+                                   max_out_tokens=32)
+    ids, mask = prompts(2)
+    before = eng.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=1, eos_token_id=None)
+    eng.decoder.set_options(DecodeOptions.parse("int8=int8pack"))
+    projs = [m for m in eng.decoder.modules() if isinstance(m, Proj) and m.scale is not None]
+    assert projs and {p.int8_kernel for p in projs} == {"int8pack"}
+    after = eng.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=1, eos_token_id=None)
+    assert torch.equal(before, after)
+
+
+def test_int8pack_on_a_torch_without_it_is_a_clear_error(monkeypatch):
+    from shardwise.inference import decode
+    monkeypatch.setattr(decode, "int8pack_available", lambda device_type: False)
+    eng = shardwise.init_inference(tiny("llama"), dtype="int8", replace_with_kernel_inject=True,
+                                   max_out_tokens=32)
+    with pytest.raises(ConfigError, match=r"no torch._weight_int8pack_mm for cpu; use int8='reduction'"):
+        eng.decoder.set_options(decode.DecodeOptions.parse("int8=int8pack"))
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_regional_compile_traces_one_layer_and_gives_hf_tokens(family, monkeypatch):
+    """DecodeOptions.regional: every decoder layer runs compiled code, dynamo traces the layer
+    once for all of them (the cold start does not grow with depth), and the tokens are the
+    plain model's. A later whole-step compile drops the per-layer compiled code again."""
+    from shardwise.inference.decode import DecodeOptions
+    real_compile = torch.compile
+    graphs, calls = [], []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*args):
+            calls.append(1)
+            return gm(*args)
+        return run
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counting,
+                                                                       fullgraph=True, dynamic=False))
+    torch._dynamo.reset()
+    m = tiny(family)
+    m.config.num_hidden_layers  # noqa: B018 - the tiny models have several layers
+    eng = _inject(m)
+    layers = len(eng.decoder.blocks)
+    assert layers >= 2
+    eng.decoder.set_options(DecodeOptions.parse("regional=true"))
+    eng.decoder.compile_step(cuda_graph=False)
+    ids, mask = prompts(3)
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=1, eos_token_id=None)
+    out = eng.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=1, eos_token_id=None)
+    assert torch.equal(out, ref)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for {layers} identical layers"
+    assert len(calls) == 4 * layers  # every layer of every decode step ran the compiled code
+    eng.decoder.set_options(DecodeOptions())
+    eng.decoder.compile_step(cuda_graph=False)
+    assert all(b._compiled_call_impl is None for b in eng.decoder.blocks)
