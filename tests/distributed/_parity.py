@@ -106,3 +106,18 @@ def dpu_reference(lrs: List[float], global_batch: int, warmup: int,
             for p, v in zip(model.parameters(), use):
                 p.copy_(v)
     return {name: m for (name, _), m in zip(model.named_parameters(), masters)}
+
+
+def causal_lm_reference(model: torch.nn.Module, batches: List[torch.Tensor], micro: int,
+                        micro_per_step: int, lr: float, weight_decay: float = 0.01
+                        ) -> Dict[str, torch.Tensor]:
+    """Plain single-process torch for a Hugging Face causal LM: AdamW once per global batch,
+    each ``micro``-row slice its own forward/backward with its loss divided by
+    ``micro_per_step`` (GA x world), as the engines' micro batches are."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    for ids in batches:
+        for mb in ids.split(micro):
+            (model(input_ids=mb, labels=mb).loss / micro_per_step).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.distributed._parity import causal_lm_reference
 
 import transformers
 
@@ -41,13 +42,7 @@ def reference(world: int) -> Dict[str, torch.Tensor]:
     from shardwise.precision import fp8
     model = build()
     fp8.convert_fp8(model, fp8.plan_fp8(model), "tensorwise")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    for ids in batches(world):
-        for mb in ids.split(MICRO):
-            (model(input_ids=mb, labels=mb).loss / (GA * world)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return causal_lm_reference(model, batches(world), MICRO, GA * world, LR)
 
 
 def config(offload: bool) -> dict:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.distributed._parity import causal_lm_reference
 
 import transformers
 if not torch._dynamo.is_dynamo_supported():  # e.g. a Python newer than this torch's dynamo
@@ -42,14 +43,7 @@ def batches(world: int) -> List[torch.Tensor]:
 def reference(world: int) -> Dict[str, torch.Tensor]:
     """Plain single-process torch, AdamW on each whole global batch. The global batch is the
     engine's micro batches concatenated; the loss is the mean of their (equal-size) means."""
-    model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    for ids in batches(world):
-        for mb in ids.split(MICRO):
-            (model(input_ids=mb, labels=mb).loss / (GA * world)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return causal_lm_reference(build(), batches(world), MICRO, GA * world, LR)
 
 
 class CountingBackend:
