@@ -83,8 +83,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, kernel: str = "reduction") -> torch.Tensor:
     """x @ (weight * scale).T (+ bias) without materialising the float weight where possible.
 
-    * CPU, eager, or ``kernel="int8pack"`` on CUDA: ``torch._weight_int8pack_mm`` (PyTorch's
-      int8 weight kernel);
+    * CPU, eager, or ``kernel="int8pack"`` for a CUDA decode step of at most ``GEMV_ROWS``
+      rows: ``torch._weight_int8pack_mm`` (PyTorch's int8 weight kernel);
     * compiled, CUDA, a decode step of at most ``GEMV_ROWS`` rows: written as a broadcast
       multiply + sum, which inductor turns into one reduction kernel that reads the int8
       weight once and converts it in registers (the float weight never exists);
@@ -93,7 +93,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """
     rows = x.numel() // x.shape[-1]
     pack = (x.device.type == "cpu" and not torch.compiler.is_compiling()) or \
-        (kernel == "int8pack" and x.device.type == "cuda")
+        (kernel == "int8pack" and x.device.type == "cuda" and rows <= GEMV_ROWS)
     if pack and hasattr(torch, "_weight_int8pack_mm"):
         shape = x.shape
         out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), weight,
