@@ -71,6 +71,11 @@ PRESETS: Dict[str, List[str]] = {
                 "1.1b:sw_inject:1"],
     "levers2": ["7b:sw_int8:1", "7b:sw_int8@int8=int8pack:1", "7b:sw_int8@regional=true:1",
                 "1.1b:hf_static:1", "1.1b:sw_inject@regional=true:1"],
+    # levers1 + levers2's 7B rows that decide the three missed targets, for a session with
+    # one call: regional compilation (cold start, batch 1 and 32), int8pack, the default,
+    # reduction attention at batch 32
+    "levers": ["7b:sw_inject@regional=true:1,32", "7b:sw_int8@int8=int8pack:1",
+               "7b:sw_inject:1,32", "7b:sw_inject@attention=reduction:32"],
 }
 
 #: seconds, measured or guessed from the last session (cold start 54-56 s incl. compile):
