@@ -14,7 +14,7 @@
 # after d75f283), issue22 + issue22b (issue 22's whole matrix).
 # Done 2026-12-06 (sixteenth session): issue20b, issue20a and issue20c's matrix rows (the
 # matrix is complete; RESULTS.md "Sixteenth session").
-# Seventeenth session (2026-12-06, 20:49-): ten refusals, nothing ran.
+# Seventeenth session (2026-12-06, 20:49-): twelve refusals, nothing ran.
 # With one GPU (30 device-minutes) next: issue20f (or issue20g on a short lease), issue23,
 # then issue23d and issue26c/26d/26l/26f/26s.
 # With eight: `parallel issue20p issue20a issue20b issue23 issue26c issue26d issue26l issue26f`
