@@ -61,7 +61,7 @@ CALLS=(
   "issue20d    20  560 s  infer_bench --preset levers1: regional compile, coordinate descent, B=32 attention"
   "issue20e    20  540 s  infer_bench --preset levers2: int8 kernels, regional int8, 1.1B B=1 vs HF static"
   "issue20f    20  560 s  infer_bench --preset levers: levers1/levers2's deciding 7B rows in one call"
-  "issue20g    20  400 s  issue20f's first two units and the default at batch 1 (a short lease)"
+  "issue20g    20  400 s  issue20f cut to a short lease (the budget drops its tail)"
   "issue22     22  560 s  zero_inference_bench --plan issue22"
   "issue22b    22  420 s  zero_inference_bench --plan issue22b (NVMe rows, batch 64, DeepSpeed B=16)"
   "issue26f    26  560 s  fp8_bench --quick"
@@ -241,10 +241,7 @@ run_issue20b() { python3 benchmarks/infer_bench.py --preset call2 --budget 550 -
 run_issue20d() { python3 benchmarks/infer_bench.py --preset levers1 --budget 550 --out "$OUT/infer_levers1.json"; }
 run_issue20e() { python3 benchmarks/infer_bench.py --preset levers2 --budget 530 --out "$OUT/infer_levers2.json"; }
 run_issue20f() { python3 benchmarks/infer_bench.py --preset levers --budget 550 --out "$OUT/infer_levers.json"; }
-run_issue20g() {
-  python3 benchmarks/infer_bench.py --budget 380 --out "$OUT/infer_levers.json" \
-    --units 7b:sw_inject@regional=true:1,32 7b:sw_int8@int8=int8pack:1 7b:sw_inject:1
-}
+run_issue20g() { python3 benchmarks/infer_bench.py --preset levers --budget 380 --out "$OUT/infer_levers.json"; }
 run_issue20c() {
   python3 benchmarks/infer_bench.py --preset call3 --budget 240 --out "$OUT/infer_call3.json"
   python3 benchmarks/decode_probe.py --budget 270 \
