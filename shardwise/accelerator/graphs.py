@@ -11,6 +11,12 @@ Each call copies its inputs into the graph's static input tensors and replays; t
 tensor lives in the graph's memory and is valid until the next call (as with inductor's
 graphs). Whatever else the callable reads (weights, the KV cache, rotary tables) is baked
 into the graph by address: call :meth:`reset` when any of it is reallocated.
+
+The graphs of one ``GraphedCallable`` share a memory pool while any of them lives. ``reset``
+drops the pool handle with the graphs: PyTorch's caching allocator refuses a capture into a
+pool whose graphs are all gone but whose memory is not yet released ("use_count > 0
+INTERNAL ASSERT FAILED"), which is what a batch-size change under regional compilation did
+on the 2026-12-06 H100 run (RESULTS.md, eighteenth session).
 """
 from __future__ import annotations
 
@@ -33,8 +39,9 @@ class GraphedCallable:
         self._pool: Any = None
 
     def reset(self) -> None:
-        """Forget every graph (something they read was reallocated)."""
+        """Forget every graph (something they read was reallocated) and their memory pool."""
         self._graphs.clear()
+        self._pool = None
 
     def __len__(self) -> int:
         return len(self._graphs)
