@@ -20,7 +20,7 @@ plain model's ``generate`` on CPU in fp32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,8 @@ from .quant import INT8_KERNELS, int8pack_available
 from .tp import TPPlan
 
 ROUND = 128  # cache lengths are rounded up to this, so few shapes get compiled
+REGIONAL_LAYER_BYTES = 256 * 2**20
+"""``DecodeOptions.regional = "auto"`` compiles per layer from this many weight bytes a layer."""
 EOS_LAG = 4  # with EOS / stopping criteria, the host looks at "all finished" this many steps late
 
 
@@ -65,12 +67,19 @@ class DecodeOptions:
     """int8 weights (``dtype: "int8"``) in the compiled CUDA step: "reduction" (multiply + sum
     over the int8 weight, one inductor reduction per projection) or "int8pack" (PyTorch's
     ``torch._weight_int8pack_mm`` kernel, where this torch has it on CUDA; ``set_options``
-    raises where it does not)."""
-    regional: bool = False
+    raises where it does not). On one H100 (torch 2.11) int8pack decoded the 7B at 18.8
+    tokens/s at batch 1, a tenth of the reduction's speed: opt-in only."""
+    regional: Union[bool, str] = "auto"
     """Compile each decoder layer instead of the whole step (regional compilation): dynamo
     traces one layer and every identical layer reuses its graph, so the cold start no longer
     grows with the layer count; the step around the layers runs eagerly and is captured as
-    one CUDA graph by ``accelerator.graphs.GraphedCallable`` (no fusion across layers)."""
+    one CUDA graph by ``accelerator.graphs.GraphedCallable`` (no fusion across layers).
+    True, False, or "auto": regional where one layer's projection weights (on this rank)
+    reach ``REGIONAL_LAYER_BYTES``. Measured on one H100 (RESULTS.md eighteenth session), the
+    7B Llama (405 MB a layer) decoded at the same speed either way (184.2 against 183.5
+    tokens/s at batch 1, 3,480 against 3,498 at batch 32) and cold-started in 40.8 s instead
+    of 69-92 s; smaller layers, where the lost cross-layer fusion weighs more, keep the
+    whole-step compile until measured."""
     coordinate_descent: bool = True
     """inductor's ``coordinate_descent_tuning`` (gpt-fast's setting) for the step's kernels."""
     max_autotune: bool = False
@@ -93,10 +102,17 @@ class DecodeOptions:
 
     def __post_init__(self) -> None:
         for name, allowed in (("gemv", ("cublas", "reduction")), ("int8", INT8_KERNELS),
-                              ("attention", ("auto", "sdpa", "split", "reduction"))):
+                              ("attention", ("auto", "sdpa", "split", "reduction")),
+                              ("regional", (True, False, "auto"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"DecodeOptions.{name} = {getattr(self, name)!r}; expected one of "
-                                  f"{', '.join(allowed)}.")
+                                  f"{', '.join(map(str, allowed))}.")
+
+
+def regional_compile(option: Union[bool, str], layer_bytes: int) -> bool:
+    """Whether ``DecodeOptions.regional`` = ``option`` compiles per layer, for decoder layers
+    of ``layer_bytes`` projection weight bytes each."""
+    return layer_bytes >= REGIONAL_LAYER_BYTES if option == "auto" else bool(option)
 
 
 def decode_attention_kind(option: str, groups: int, length: int, sms: int) -> str:
@@ -392,7 +408,7 @@ class FastDecoder(nn.Module):
         options are applied again first: the layers read the SM count of the weights' device
         now, after the engine placed them."""
         self.set_options(self.options)
-        regional = self.options.regional
+        regional = regional_compile(self.options.regional, self.layer_bytes())
         options = {"triton.cudagraphs": bool(cuda_graph) and not regional,
                    "coordinate_descent_tuning": self.options.coordinate_descent,
                    "max_autotune": self.options.max_autotune, "epilogue_fusion": True}
@@ -406,6 +422,11 @@ class FastDecoder(nn.Module):
             return
         self._step = torch.compile(self.step, fullgraph=True, dynamic=False, options=options)
         self._graphs = bool(cuda_graph)
+
+    def layer_bytes(self) -> int:
+        """Bytes of the first decoder layer's projection weights (and int8 scales) here."""
+        return sum(t.numel() * t.element_size() for m in self.blocks[0].modules()
+                   if isinstance(m, Proj) for t in (m.weight, m.scale) if t is not None)
 
     def _graphs_read_stale_buffers(self) -> None:
         """The KV cache or the rotary tables were reallocated: our captured graphs (regional

@@ -345,3 +345,28 @@ def test_regional_compile_traces_one_layer_and_gives_hf_tokens(family, monkeypat
     eng.decoder.set_options(DecodeOptions())
     eng.decoder.compile_step(cuda_graph=False)
     assert all(b._compiled_call_impl is None for b in eng.decoder.blocks)
+
+
+def test_regional_auto_compiles_per_layer_from_the_layer_size(monkeypatch):
+    """DecodeOptions.regional = "auto" (the default): per-layer compilation for layers of at
+    least REGIONAL_LAYER_BYTES of projection weights (the 7B Llama's), the whole step below
+    (the 1.1B's); True and False force it; other values are refused."""
+    from shardwise.errors import ConfigError
+    from shardwise.inference import decode
+    m = tiny("llama")
+    eng = _inject(m)
+    expected = sum(p.numel() * p.element_size() for n, p in m.model.layers[0].named_parameters()
+                   if "proj" in n)
+    assert eng.decoder.layer_bytes() == expected
+    assert decode.DecodeOptions().regional == "auto" == decode.DecodeOptions.parse("regional=auto").regional
+    seven_b = 4096 * (4 * 4096 + 3 * 11008) * 2  # q, k, v, o + gate, up, down in bf16
+    one_b = 2048 * (2 * 2048 + 2 * 256 + 3 * 5632) * 2  # GQA: 4 KV heads of 64
+    assert decode.regional_compile("auto", seven_b) and not decode.regional_compile("auto", one_b)
+    assert decode.regional_compile(True, 0) and not decode.regional_compile(False, seven_b)
+    for threshold, regional in ((expected, True), (expected + 1, False)):
+        monkeypatch.setattr(decode, "REGIONAL_LAYER_BYTES", threshold)
+        eng.decoder.set_options(decode.DecodeOptions())
+        eng.decoder.compile_step(cuda_graph=False)
+        assert all((b._compiled_call_impl is not None) == regional for b in eng.decoder.blocks)
+    with pytest.raises(ConfigError, match=r"DecodeOptions.regional = 'maybe'; expected one of True, False, auto"):
+        decode.DecodeOptions.parse("regional=maybe")
