@@ -15,8 +15,10 @@
 # Done 2026-12-06 (sixteenth session): issue20b, issue20a and issue20c's matrix rows (the
 # matrix is complete; RESULTS.md "Sixteenth session").
 # Seventeenth session (2026-12-06, 20:49-): twelve refusals, nothing ran.
-# With one GPU (30 device-minutes) next: issue20f (or issue20g on a short lease), issue23,
-# then issue23d and issue26c/26d/26l/26f/26s.
+# Eighteenth (2026-12-06 23:13-): eight refusals, then issue20g and three short calls on one
+# H100 (RESULTS.md "Eighteenth session").
+# With one GPU (30 device-minutes) next: issue20h, issue23, then issue23d and
+# issue26c/26d/26l/26f/26s.
 # With eight: `parallel issue20p issue20a issue20b issue23 issue26c issue26d issue26l issue26f`
 # in one lease, then issue26s/23d alone.
 #
@@ -62,6 +64,7 @@ CALLS=(
   "issue20e    20  540 s  infer_bench --preset levers2: int8 kernels, regional int8, 1.1B B=1 vs HF static"
   "issue20f    20  560 s  infer_bench --preset levers: levers1/levers2's deciding 7B rows in one call"
   "issue20g    20  400 s  issue20f cut to a short lease (the budget drops its tail)"
+  "issue20h    20  570 s  the regional fix on a GPU (graph tests) + infer_bench --preset verify"
   "issue22     22  560 s  zero_inference_bench --plan issue22"
   "issue22b    22  420 s  zero_inference_bench --plan issue22b (NVMe rows, batch 64, DeepSpeed B=16)"
   "issue26f    26  560 s  fp8_bench --quick"
@@ -242,6 +245,11 @@ run_issue20d() { python3 benchmarks/infer_bench.py --preset levers1 --budget 550
 run_issue20e() { python3 benchmarks/infer_bench.py --preset levers2 --budget 530 --out "$OUT/infer_levers2.json"; }
 run_issue20f() { python3 benchmarks/infer_bench.py --preset levers --budget 550 --out "$OUT/infer_levers.json"; }
 run_issue20g() { python3 benchmarks/infer_bench.py --preset levers --budget 380 --out "$OUT/infer_levers.json"; }
+run_issue20h() {
+  timeout 110 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_graphs_gpu.py \
+    tests/gpu/test_inference_gpu.py -k "graphs or regional" 2>&1 | tail -n 20
+  python3 benchmarks/infer_bench.py --preset verify --budget 440 --out "$OUT/infer_verify.json"
+}
 run_issue20c() {
   python3 benchmarks/infer_bench.py --preset call3 --budget 240 --out "$OUT/infer_call3.json"
   python3 benchmarks/decode_probe.py --budget 270 \
