@@ -16,7 +16,7 @@ The graphs of one ``GraphedCallable`` share a memory pool while any of them live
 drops the pool handle with the graphs: PyTorch's caching allocator refuses a capture into a
 pool whose graphs are all gone but whose memory is not yet released ("use_count > 0
 INTERNAL ASSERT FAILED"), which is what a batch-size change under regional compilation did
-on the 2026-12-06 H100 run (RESULTS.md, eighteenth session).
+on the 2026-12-07 H100 run (RESULTS.md, eighteenth session).
 """
 from __future__ import annotations
 
