@@ -66,16 +66,16 @@ PRESETS: Dict[str, List[str]] = {
     # the levers for the targets the 2026-12-06 matrix missed, each next to the default in one
     # call: cold start (regional compilation, coordinate descent off), 7B batch 32 (reduction
     # attention), int8 (PyTorch's int8pack kernel), the 1.1B's batch 1 ("auto" splits there)
-    "levers1": ["7b:sw_inject:1,32", "7b:sw_inject@regional=true:1,32",
+    "levers1": ["7b:sw_inject@regional=false:1,32", "7b:sw_inject@regional=true:1,32",
                 "7b:sw_inject@attention=reduction:32", "7b:sw_inject@coordinate_descent=false:1",
                 "1.1b:sw_inject:1"],
     "levers2": ["7b:sw_int8:1", "7b:sw_int8@int8=int8pack:1", "7b:sw_int8@regional=true:1",
                 "1.1b:hf_static:1", "1.1b:sw_inject@regional=true:1"],
     # levers1 + levers2's 7B rows that decide the three missed targets, for a session with
-    # one call: regional compilation (cold start, batch 1 and 32), int8pack, the default,
-    # reduction attention at batch 32
+    # one call: regional compilation (cold start, batch 1 and 32), int8pack, the whole-step
+    # compile (the default until 2026-12-07), reduction attention at batch 32
     "levers": ["7b:sw_inject@regional=true:1,32", "7b:sw_int8@int8=int8pack:1",
-               "7b:sw_inject:1,32", "7b:sw_inject@attention=reduction:32"],
+               "7b:sw_inject@regional=false:1,32", "7b:sw_inject@attention=reduction:32"],
     # after the 2026-12-07 H100 lease: the default (regional for the 7B since then) at batch 1
     # then 32 in one process (the pool fix), HF static next to it, what that lease left
     "verify": ["7b:sw_inject:1,32", "7b:hf_static:32", "7b:sw_inject@attention=reduction:32",
