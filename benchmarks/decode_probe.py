@@ -166,33 +166,56 @@ def _time_us(fn: Any, reps: int) -> float:
     return t.ms * 1000 / reps
 
 
+def _int8_forms() -> Dict[str, Any]:
+    """The int8 GEMV forms a compiled decode step can use (each compiled on its own)."""
+    from shardwise.inference.quant import int8_gemv, int8_gemv_packed
+    opts = {"coordinate_descent_tuning": True, "epilogue_fusion": True}
+    return {
+        "reduction": torch.compile(int8_gemv, dynamic=False, options=opts),
+        "packed": torch.compile(int8_gemv_packed, dynamic=False, options=opts),
+        "cast+mm": torch.compile(lambda x, q, s: torch.nn.functional.linear(x, q.to(x.dtype)) * s,
+                                 dynamic=False, options=opts),  # gpt-fast's form
+        "int8pack": torch._weight_int8pack_mm,
+    }
+
+
 @torch.no_grad()
-def gemv_bandwidth(size: str, bandwidth: float, reps: int = 50) -> None:
-    """Each projection shape of ``size`` at batch 1: cuBLAS bf16 GEMV and PyTorch's own
-    ``_weight_int8pack_mm`` on CUDA (where this torch has it), GB/s of weight bytes vs copy."""
+def gemv_bandwidth(size: str, bandwidth: float, reps: int = 50) -> Dict[str, Any]:
+    """Each projection shape of ``size`` at batch 1, GB/s of weight bytes against the copy
+    bandwidth: cuBLAS bf16 GEMV, and each int8 form of ``_int8_forms`` (compiled reductions,
+    gpt-fast's cast + matmul, PyTorch's ``_weight_int8pack_mm``). The total row is the step's
+    projections at each form's speed."""
     s = SIZES[size]
     h, i, v = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
     d = h // s["num_attention_heads"]
     shapes = {"qkv": ((s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * d, h),
-              "o": (h, h), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (v, h)}
-    print(f"\n(d) one GEMV alone, {size}, batch 1 (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
-    print(f"{'proj':8} {'out x in':>13} {'bf16 us':>8} {'GB/s':>6} {'of copy':>7} "
-          f"{'int8pack us':>11} {'GB/s':>6} {'of copy':>7}")
+              "o": (h, h), "gate_up": (2 * i, h), "down": (h, i)}
+    forms = _int8_forms()
+    print(f"\n(d) one GEMV alone, {size}, batch 1 (copy bandwidth {bandwidth / 1e12:.2f} TB/s): "
+          f"us and share of copy bandwidth")
+    print(f"{'proj':8} {'out x in':>13} {'bf16':>14} " + " ".join(f"{f:>14}" for f in forms))
+    totals: Dict[str, float] = {"bf16": 0.0, **{f: 0.0 for f in forms}}
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         us = _time_us(lambda: torch.nn.functional.linear(x, w), reps)
-        gbs = w.numel() * 2 / (us * 1e-6)
-        line = f"{name:8} {n:>6}x{k:<6} {us:8.1f} {gbs / 1e9:6.0f} {100 * gbs / bandwidth:6.1f}%"
-        try:
-            q = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
-            scale = torch.rand(n, device="cuda", dtype=torch.bfloat16)
-            us8 = _time_us(lambda: torch._weight_int8pack_mm(x, q, scale), reps)
-            gbs8 = q.numel() / (us8 * 1e-6)
-            line += f" {us8:11.1f} {gbs8 / 1e9:6.0f} {100 * gbs8 / bandwidth:6.1f}%"
-        except Exception as exc:  # not built for CUDA in this torch
-            line += f" int8pack: {type(exc).__name__}: {str(exc)[:60]}"
-        print(line)
+        totals["bf16"] += us
+        line = f"{name:8} {n:>6}x{k:<6} {us:7.1f} {100 * w.numel() * 2 / (us * 1e-6) / bandwidth:5.1f}%"
+        q = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+        scale = torch.rand(n, device="cuda", dtype=torch.bfloat16)
+        for form, fn in forms.items():
+            try:
+                us8 = _time_us(lambda: fn(x, q, scale), reps)
+                totals[form] += us8
+                line += f" {us8:7.1f} {100 * q.numel() / (us8 * 1e-6) / bandwidth:5.1f}%"
+            except Exception as exc:  # a form this torch lacks
+                totals[form] = float("nan")
+                line += f" {type(exc).__name__[:14]:>14}"
+        print(line, flush=True)
+    layers = s["num_hidden_layers"]
+    print(f"{'x layers':8} {layers:>13} " + " ".join(
+        f"{t * layers / 1000:11.2f} ms" for t in totals.values()))
+    return {f"gemv_ms_{k}": t * layers / 1000 for k, t in totals.items()}
 
 
 def _graph_skips() -> int:
@@ -240,7 +263,7 @@ def run_job(size: str, options: Any, args: argparse.Namespace, state: Dict[str, 
                    loop_of_bound=bound_ms / row["loop_ms_per_token"])
     if first and args.device == "cuda":
         for what in (lambda: row.update(profile_steps(dec, inputs)),
-                     lambda: gemv_bandwidth(size, bandwidth)):
+                     lambda: row.update(gemv_bandwidth(size, bandwidth))):
             try:
                 what()
             except Exception as exc:  # a diagnostic that fails must not cost the timings
@@ -276,6 +299,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--budget", type=float, default=225.0, help="seconds; later jobs are skipped")
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-graph", action="store_true", help="compile the step without CUDA graphs")
+    p.add_argument("--gemv-only", default="", metavar="SIZE",
+                   help="only (d)'s GEMV table for SIZE (e.g. 7b), no jobs")
     args = p.parse_args(argv)
     start = time.perf_counter()
     bandwidth = copy_bandwidth(torch, args.device)
@@ -284,6 +309,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, torch {torch.__version__}, "
               f"{torch.cuda.get_device_name()}, shardwise from {Path(shardwise.__file__).parent}",
               flush=True)
+    if args.gemv_only:
+        gemv_bandwidth(args.gemv_only, bandwidth)
+        return 0
     rows: List[Dict[str, Any]] = []
     state: Dict[str, Any] = {}
     for n, job in enumerate(args.jobs.split(",")):

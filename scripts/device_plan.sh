@@ -64,7 +64,7 @@ CALLS=(
   "issue20e    20  540 s  infer_bench --preset levers2: int8 kernels, regional int8, 1.1B B=1 vs HF static"
   "issue20f    20  560 s  infer_bench --preset levers: levers1/levers2's deciding 7B rows in one call"
   "issue20g    20  400 s  issue20f cut to a short lease (the budget drops its tail)"
-  "issue20h    20  570 s  the regional fix on a GPU (graph tests) + infer_bench --preset verify"
+  "issue20h    20  570 s  graph tests (regional fix, int8 packed) + infer_bench verify + int8 GEMV forms"
   "issue22     22  560 s  zero_inference_bench --plan issue22"
   "issue22b    22  420 s  zero_inference_bench --plan issue22b (NVMe rows, batch 64, DeepSpeed B=16)"
   "issue26f    26  560 s  fp8_bench --quick"
@@ -247,8 +247,9 @@ run_issue20f() { python3 benchmarks/infer_bench.py --preset levers --budget 550 
 run_issue20g() { python3 benchmarks/infer_bench.py --preset levers --budget 380 --out "$OUT/infer_levers.json"; }
 run_issue20h() {
   timeout 110 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_graphs_gpu.py \
-    tests/gpu/test_inference_gpu.py -k "graphs or regional" 2>&1 | tail -n 20
-  python3 benchmarks/infer_bench.py --preset verify --budget 440 --out "$OUT/infer_verify.json"
+    tests/gpu/test_inference_gpu.py -k "graphs or regional or packed" 2>&1 | tail -n 20
+  python3 benchmarks/infer_bench.py --preset verify --budget 330 --out "$OUT/infer_verify.json"
+  timeout 110 python3 benchmarks/decode_probe.py --gemv-only 7b
 }
 run_issue20c() {
   python3 benchmarks/infer_bench.py --preset call3 --budget 240 --out "$OUT/infer_call3.json"
