@@ -248,7 +248,7 @@ run_issue20g() { python3 benchmarks/infer_bench.py --preset levers --budget 380 
 run_issue20h() {
   timeout 110 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_graphs_gpu.py \
     tests/gpu/test_inference_gpu.py -k "graphs or regional or packed" 2>&1 | tail -n 20
-  python3 benchmarks/infer_bench.py --preset verify --budget 330 --out "$OUT/infer_verify.json"
+  python3 benchmarks/infer_bench.py --preset verify --budget "${VERIFY_S:-330}" --out "$OUT/infer_verify.json"
   timeout 110 python3 benchmarks/decode_probe.py --gemv-only 7b
 }
 run_issue20c() {
