@@ -157,22 +157,32 @@ def profile_steps(dec: Any, inputs: tuple, steps: int = 20) -> Dict[str, Any]:
     return {f"share_{k}": v for k, v in shares.items()}
 
 
-def _time_us(fn: Any, reps: int) -> float:
-    for _ in range(5):
-        fn()
-    with Timer("cuda") as t:
+def _graph_time_us(fn: Any, reps: int) -> float:
+    """Kernel time of one ``fn()``: ``reps`` calls captured in one CUDA graph, then replayed.
+    (Timed call by call, a compiled function's host overhead, 30-40 us, hides its kernel:
+    on one H100 every compiled int8 form timed 35-45 us whatever the shape.)"""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
+    graph.replay()
+    with Timer("cuda") as t:
+        graph.replay()
     return t.ms * 1000 / reps
 
 
 def _int8_forms() -> Dict[str, Any]:
     """The int8 GEMV forms a compiled decode step can use (each compiled on its own)."""
-    from shardwise.inference.quant import int8_gemv, int8_gemv_packed
+    from shardwise.inference.quant import int8_gemv
     opts = {"coordinate_descent_tuning": True, "epilogue_fusion": True}
     return {
         "reduction": torch.compile(int8_gemv, dynamic=False, options=opts),
-        "packed": torch.compile(int8_gemv_packed, dynamic=False, options=opts),
         "cast+mm": torch.compile(lambda x, q, s: torch.nn.functional.linear(x, q.to(x.dtype)) * s,
                                  dynamic=False, options=opts),  # gpt-fast's form
         "int8pack": torch._weight_int8pack_mm,
@@ -182,9 +192,9 @@ def _int8_forms() -> Dict[str, Any]:
 @torch.no_grad()
 def gemv_bandwidth(size: str, bandwidth: float, reps: int = 50) -> Dict[str, Any]:
     """Each projection shape of ``size`` at batch 1, GB/s of weight bytes against the copy
-    bandwidth: cuBLAS bf16 GEMV, and each int8 form of ``_int8_forms`` (compiled reductions,
-    gpt-fast's cast + matmul, PyTorch's ``_weight_int8pack_mm``). The total row is the step's
-    projections at each form's speed."""
+    bandwidth: cuBLAS bf16 GEMV, and each int8 form of ``_int8_forms`` (the compiled reduction,
+    gpt-fast's cast + matmul, PyTorch's ``_weight_int8pack_mm``), kernel time only (CUDA
+    graphs). The total row is the step's projections at each form's speed."""
     s = SIZES[size]
     h, i, v = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
     d = h // s["num_attention_heads"]
@@ -198,14 +208,14 @@ def gemv_bandwidth(size: str, bandwidth: float, reps: int = 50) -> Dict[str, Any
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        us = _time_us(lambda: torch.nn.functional.linear(x, w), reps)
+        us = _graph_time_us(lambda: torch.nn.functional.linear(x, w), reps)
         totals["bf16"] += us
         line = f"{name:8} {n:>6}x{k:<6} {us:7.1f} {100 * w.numel() * 2 / (us * 1e-6) / bandwidth:5.1f}%"
         q = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
         scale = torch.rand(n, device="cuda", dtype=torch.bfloat16)
         for form, fn in forms.items():
             try:
-                us8 = _time_us(lambda: fn(x, q, scale), reps)
+                us8 = _graph_time_us(lambda: fn(x, q, scale), reps)
                 totals[form] += us8
                 line += f" {us8:7.1f} {100 * q.numel() / (us8 * 1e-6) / bandwidth:5.1f}%"
             except Exception as exc:  # a form this torch lacks

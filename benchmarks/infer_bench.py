@@ -77,9 +77,9 @@ PRESETS: Dict[str, List[str]] = {
     "levers": ["7b:sw_inject@regional=true:1,32", "7b:sw_int8@int8=int8pack:1",
                "7b:sw_inject@regional=false:1,32", "7b:sw_inject@attention=reduction:32"],
     # after the 2026-12-07 H100 lease: the default (regional for the 7B since then) at batch 1
-    # then 32 in one process (the pool fix), int8 with its "packed" words next to the
-    # reduction (the int8 target: >= 1.6x the bf16 batch-1 row), HF static, what is left
-    "verify": ["7b:sw_inject:1,32", "7b:sw_int8:1", "7b:sw_int8@int8=packed:1", "7b:hf_static:32",
+    # then 32 in one process (the pool fix), int8 (its target: >= 1.6x the bf16 batch-1 row),
+    # HF static at 32 next to ours, reduction attention at 32
+    "verify": ["7b:sw_inject:1,32", "7b:sw_int8:1", "7b:hf_static:32",
                "7b:sw_inject@attention=reduction:32"],
 }
 

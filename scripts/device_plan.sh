@@ -17,7 +17,9 @@
 # Seventeenth session (2026-12-06, 20:49-): twelve refusals, nothing ran.
 # Eighteenth (2026-12-06 23:13-): eight refusals, then issue20g and three short calls on one
 # H100 (RESULTS.md "Eighteenth session").
-# With one GPU (30 device-minutes) next: issue20h, issue23, then issue23d and
+# Nineteenth (2026-12-07 01:46-): nine refusals, then issue20h and one short call on one H100
+# (RESULTS.md "Nineteenth session").
+# With one GPU (30 device-minutes) next: issue23, issue20i, then issue23d and
 # issue26c/26d/26l/26f/26s.
 # With eight: `parallel issue20p issue20a issue20b issue23 issue26c issue26d issue26l issue26f`
 # in one lease, then issue26s/23d alone.
@@ -64,7 +66,8 @@ CALLS=(
   "issue20e    20  540 s  infer_bench --preset levers2: int8 kernels, regional int8, 1.1B B=1 vs HF static"
   "issue20f    20  560 s  infer_bench --preset levers: levers1/levers2's deciding 7B rows in one call"
   "issue20g    20  400 s  issue20f cut to a short lease (the budget drops its tail)"
-  "issue20h    20  570 s  graph tests (regional fix, int8 packed) + infer_bench verify + int8 GEMV forms"
+  "issue20h    20  570 s  graph tests (regional fix) + infer_bench verify + int8 GEMV forms"
+  "issue20i    20  500 s  the int8 step's kernels (decode_probe) + 7B batch 32 vs HF static again"
   "issue22     22  560 s  zero_inference_bench --plan issue22"
   "issue22b    22  420 s  zero_inference_bench --plan issue22b (NVMe rows, batch 64, DeepSpeed B=16)"
   "issue26f    26  560 s  fp8_bench --quick"
@@ -247,9 +250,17 @@ run_issue20f() { python3 benchmarks/infer_bench.py --preset levers --budget 550 
 run_issue20g() { python3 benchmarks/infer_bench.py --preset levers --budget 380 --out "$OUT/infer_levers.json"; }
 run_issue20h() {
   timeout 110 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_graphs_gpu.py \
-    tests/gpu/test_inference_gpu.py -k "graphs or regional or packed" 2>&1 | tail -n 20
+    tests/gpu/test_inference_gpu.py -k "graphs or regional" 2>&1 | tail -n 20
   python3 benchmarks/infer_bench.py --preset verify --budget "${VERIFY_S:-330}" --out "$OUT/infer_verify.json"
   timeout 110 python3 benchmarks/decode_probe.py --gemv-only 7b
+}
+# int8 (1.05-1.23x bf16, target 1.6x): where the int8 step's time goes, kernel by kernel, and
+# each int8 GEMV form alone under CUDA graphs; then one more batch-32 pair (1.15x, 1.48x, 1.18x
+# in three runs, HF static's own step 10.8-13.5 ms: the target is 1.2x)
+run_issue20i() {
+  python3 benchmarks/decode_probe.py --jobs 7b-int8:base,7b:base --budget 250
+  python3 benchmarks/infer_bench.py --units 7b:hf_static:32 7b:sw_inject:32 --budget 200 \
+    --out "$OUT/infer_b32.json"
 }
 run_issue20c() {
   python3 benchmarks/infer_bench.py --preset call3 --budget 240 --out "$OUT/infer_call3.json"

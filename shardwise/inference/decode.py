@@ -65,8 +65,7 @@ class DecodeOptions:
     1 (4 KV heads), 0.92x for the 7B at batch 1 (32), 0.77x at batch 8 (256)."""
     int8: str = "reduction"
     """int8 weights (``dtype: "int8"``) in the compiled CUDA step: "reduction" (multiply + sum
-    over the int8 weight, one inductor reduction per projection), "packed" (the same
-    reduction reading the weight as int32 words, four values a load) or "int8pack" (PyTorch's
+    over the int8 weight, one inductor reduction per projection) or "int8pack" (PyTorch's
     ``torch._weight_int8pack_mm`` kernel, where this torch has it on CUDA; ``set_options``
     raises where it does not). On one H100 (torch 2.11) int8pack decoded the 7B at 18.8
     tokens/s at batch 1, a tenth of the reduction's speed: opt-in only."""

@@ -60,31 +60,7 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
     return gemv(x, weight, scale)
 
 
-def int8_gemv_packed(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The reduction form of x @ (weight * scale).T, reading the int8 weight as int32 words.
-
-    ``weight.view(torch.int32)`` (no copy) holds four neighbouring int8 values per word;
-    ``(word << 24 - 8b) >> 24`` is value ``4j + b`` sign-extended (little-endian bytes), so
-    the compiled reduction runs over ``in / 4`` words, each loaded once as 4 bytes, and
-    multiplies them by ``x[..., b::4]``. The same sum as ``int8_gemv`` in another order.
-    """
-    words = weight.view(torch.int32)  # (out, in / 4)
-    xf = x.float().unsqueeze(-2)
-    acc = None
-    for b in range(4):
-        term = xf[..., b::4] * ((words << (24 - 8 * b)) >> 24).float()
-        acc = term if acc is None else acc + term
-    return (acc.sum(dim=-1) * scale.float()).to(x.dtype)
-
-
-def packs_as_words(weight: torch.Tensor) -> bool:
-    """Whether ``weight.view(torch.int32)`` works: contiguous rows, in % 4 == 0, aligned."""
-    return weight.dtype == torch.int8 and weight.dim() == 2 and weight.stride(-1) == 1 \
-        and weight.shape[-1] % 4 == 0 and weight.stride(0) % 4 == 0 \
-        and weight.storage_offset() % 4 == 0
-
-
-INT8_KERNELS = ("reduction", "packed", "int8pack")
+INT8_KERNELS = ("reduction", "int8pack")
 """``DecodeOptions.int8``: how a compiled CUDA decode step multiplies by an int8 weight."""
 
 
@@ -111,8 +87,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
       rows: ``torch._weight_int8pack_mm`` (PyTorch's int8 weight kernel);
     * compiled, CUDA, a decode step of at most ``GEMV_ROWS`` rows: written as a broadcast
       multiply + sum, which inductor turns into one reduction kernel that reads the int8
-      weight once and converts it in registers (the float weight never exists); with
-      ``kernel="packed"`` the reduction reads it as int32 words (``int8_gemv_packed``);
+      weight once and converts it in registers (the float weight never exists);
     * otherwise: ``F.linear(x, weight.to(x.dtype)) * scale`` (inductor may fuse the cast as
       a prologue of its own matmul kernels under max-autotune).
     """
@@ -125,8 +100,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                                         scale.to(x.dtype))
         out = out.reshape(*shape[:-1], weight.shape[0])
     elif torch.compiler.is_compiling() and x.device.type == "cuda" and rows <= GEMV_ROWS:
-        packed = kernel == "packed" and packs_as_words(weight)
-        out = (int8_gemv_packed if packed else int8_gemv)(x, weight, scale)
+        out = int8_gemv(x, weight, scale)
     else:
         out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
     return out if bias is None else out + bias

@@ -87,24 +87,6 @@ def test_int8_kernels_give_the_same_tokens():
     assert out.shape == ref.shape and (out == ref).float().mean() > 0.8
 
 
-def test_int8_packed_gives_the_reduction_tokens():
-    """DecodeOptions.int8 = "packed" (the int8 weight read as int32 words) is the reduction's
-    product summed in another order: the same tokens at batch 1 and 2 (the GEMV rows)."""
-    from shardwise.inference.decode import DecodeOptions
-    m = tiny("llama")
-    eng = shardwise.init_inference(copy.deepcopy(m), dtype="int8", replace_with_kernel_inject=True,
-                                   max_out_tokens=64)
-    refs = {b: eng.generate(_cuda(b)[0], attention_mask=_cuda(b)[1], max_new_tokens=8,
-                            eos_token_id=None) for b in (1, 2)}
-    torch._dynamo.reset()
-    eng.decoder.set_options(DecodeOptions.parse("int8=packed"))
-    eng.decoder.compile_step(cuda_graph=True)
-    for b, ref in refs.items():
-        ids, mask = _cuda(b)
-        out = eng.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
-        assert out.shape == ref.shape and (out == ref).float().mean() > 0.9, b
-
-
 def test_split_kv_attention_with_the_efficient_kernel():
     from shardwise.inference.layers import split_kv_attention
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -6,9 +6,8 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.inference.quant import (WeightOnlyInt8Linear, int8_gemv, int8_gemv_packed,
-                                       int8_linear, int8_perplexity_delta, packs_as_words,
-                                       quantize_weight)
+from shardwise.inference.quant import (WeightOnlyInt8Linear, int8_gemv, int8_linear,
+                                       int8_perplexity_delta, quantize_weight)
 from tests.unit._inference_models import prompts, tiny
 
 
@@ -27,35 +26,6 @@ def test_per_channel_quantization_round_trips():
                                    rtol=1e-4, atol=1e-4)
     half = x[:1].bfloat16()
     assert int8_gemv(half, q, scale).dtype == torch.bfloat16
-
-
-def test_packed_gemv_reads_each_int32_word_as_four_signed_values():
-    """DecodeOptions.int8 = "packed": the int8 weight viewed as int32 words and unpacked by
-    shifts must be the same product, for every byte position and sign (-127..127, 0)."""
-    torch.manual_seed(0)
-    q = torch.randint(-127, 128, (48, 64), dtype=torch.int8)
-    q[0, :8] = torch.tensor([-127, 127, -1, 0, 1, -128 + 1, 64, -64], dtype=torch.int8)
-    scale = torch.rand(48) + 0.5
-    x = torch.randn(2, 1, 64)
-    want = x @ (q.float() * scale[:, None]).t()
-    for rows in (x[:1], x, x[0]):
-        torch.testing.assert_close(int8_gemv_packed(rows, q, scale), want[:rows.shape[0]]
-                                   if rows.dim() == 3 else want[0], rtol=1e-5, atol=1e-5)
-    # one-hot inputs pick single weights: every byte of every word decodes exactly
-    eye = torch.eye(64).unsqueeze(1)  # (64, 1, 64)
-    got = int8_gemv_packed(eye, q, torch.ones(48))[:, 0]  # (64 inputs, 48 outputs)
-    assert torch.equal(got, q.float().t())
-    assert int8_gemv_packed(x[:1].bfloat16(), q, scale).dtype == torch.bfloat16
-
-
-def test_packed_gemv_applies_only_where_the_int32_view_exists():
-    q = torch.zeros(8, 64, dtype=torch.int8)
-    assert packs_as_words(q) and packs_as_words(q[2:6])
-    assert not packs_as_words(q[:, :62])        # rows not a whole number of words
-    assert not packs_as_words(q.t())            # not row-contiguous
-    assert not packs_as_words(torch.zeros(8, 62, dtype=torch.int8))
-    assert not packs_as_words(q.view(-1)[1:1 + 4 * 60].view(4, 60))  # misaligned start
-    assert not packs_as_words(q.float())
 
 
 @pytest.mark.parametrize("inject", [False, True])
