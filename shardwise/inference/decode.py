@@ -75,11 +75,11 @@ class DecodeOptions:
     grows with the layer count; the step around the layers runs eagerly and is captured as
     one CUDA graph by ``accelerator.graphs.GraphedCallable`` (no fusion across layers).
     True, False, or "auto": regional where one layer's projection weights (on this rank)
-    reach ``REGIONAL_LAYER_BYTES``. Measured on one H100 (RESULTS.md eighteenth session), the
-    7B Llama (405 MB a layer) decoded at the same speed either way (184.2 against 183.5
-    tokens/s at batch 1, 3,480 against 3,498 at batch 32) and cold-started in 40.8 s instead
-    of 69-92 s; smaller layers, where the lost cross-layer fusion weighs more, keep the
-    whole-step compile until measured."""
+    reach ``REGIONAL_LAYER_BYTES``. Measured on one H100 (RESULTS.md eighteenth and nineteenth
+    sessions), the 7B Llama (405 MB a layer) decoded at least as fast either way (184.2-190.1
+    against 183.5 tokens/s at batch 1, 3,480-3,494 against 3,498 at batch 32) and
+    cold-started in 25.4-40.8 s instead of 59-92 s; smaller layers, where the lost
+    cross-layer fusion weighs more, keep the whole-step compile until measured."""
     coordinate_descent: bool = True
     """inductor's ``coordinate_descent_tuning`` (gpt-fast's setting) for the step's kernels."""
     max_autotune: bool = False
