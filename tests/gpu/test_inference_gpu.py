@@ -64,6 +64,26 @@ def test_decode_options_give_hf_tokens_fp32(options):
         assert torch.equal(out, ref), (options, batch)
 
 
+@pytest.mark.parametrize("options", ["kv_bucket=16", "kv_bucket=16+regional=true",
+                                     "kv_bucket=16+attention=split"])
+def test_kv_bucket_graphs_give_hf_tokens_fp32(options):
+    """DecodeOptions.kv_bucket under CUDA graphs: one graph per bucket (16, 32, 48 over 40 new
+    tokens) from one dynamic-length trace, the plain model's tokens at batch 1 and 3."""
+    from shardwise.inference.decode import DecodeOptions
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m = tiny("llama").cuda()
+    eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", replace_with_kernel_inject=True,
+                                   max_out_tokens=64)
+    torch._dynamo.reset()
+    eng.decoder.set_options(DecodeOptions.parse(options))
+    eng.decoder.compile_step(cuda_graph=True)
+    for batch in (1, 3):
+        ids, mask = _cuda(batch)
+        ref = m.generate(ids, attention_mask=mask, max_new_tokens=40, pad_token_id=1, eos_token_id=None)
+        out = eng.generate(ids, attention_mask=mask, max_new_tokens=40, pad_token_id=1, eos_token_id=None)
+        assert torch.equal(out, ref), (options, batch)
+
+
 def test_int8_kernels_give_the_same_tokens():
     """DecodeOptions.int8: torch._weight_int8pack_mm against the inductor reduction (the same
     int8 weights and scales; bf16 rounding may flip a late token), or a clear error where this
