@@ -44,10 +44,12 @@ def test_bf16_and_int8_run_compiled():
         assert (out == ref).float().mean() > 0.8  # bf16 rounding may flip a late token
 
 
-@pytest.mark.parametrize("options", ["gemv=reduction", "attention=split", "attention=reduction",
-                                     "gemv=reduction+attention=split", "regional=true",
-                                     "regional=true+attention=split"])
-def test_decode_options_give_hf_tokens_fp32(options):
+@pytest.mark.parametrize("options,new", [
+    ("gemv=reduction", 8), ("attention=split", 8), ("attention=reduction", 8),
+    ("gemv=reduction+attention=split", 8), ("regional=true", 8), ("regional=true+attention=split", 8),
+    # kv_bucket: one graph per bucket (16, 32, 48 over 40 new tokens), one dynamic-length trace
+    ("kv_bucket=16", 40), ("kv_bucket=16+regional=true", 40), ("kv_bucket=16+attention=split", 40)])
+def test_decode_options_give_hf_tokens_fp32(options, new):
     """Every DecodeOptions alternative of the compiled step (decode_probe compares their speed)."""
     from shardwise.inference.decode import DecodeOptions
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -59,28 +61,8 @@ def test_decode_options_give_hf_tokens_fp32(options):
     eng.decoder.compile_step(cuda_graph=True)
     for batch in (1, 3):
         ids, mask = _cuda(batch)
-        ref = m.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=1, eos_token_id=None)
-        out = eng.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=1, eos_token_id=None)
-        assert torch.equal(out, ref), (options, batch)
-
-
-@pytest.mark.parametrize("options", ["kv_bucket=16", "kv_bucket=16+regional=true",
-                                     "kv_bucket=16+attention=split"])
-def test_kv_bucket_graphs_give_hf_tokens_fp32(options):
-    """DecodeOptions.kv_bucket under CUDA graphs: one graph per bucket (16, 32, 48 over 40 new
-    tokens) from one dynamic-length trace, the plain model's tokens at batch 1 and 3."""
-    from shardwise.inference.decode import DecodeOptions
-    torch.backends.cuda.matmul.allow_tf32 = False
-    m = tiny("llama").cuda()
-    eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", replace_with_kernel_inject=True,
-                                   max_out_tokens=64)
-    torch._dynamo.reset()
-    eng.decoder.set_options(DecodeOptions.parse(options))
-    eng.decoder.compile_step(cuda_graph=True)
-    for batch in (1, 3):
-        ids, mask = _cuda(batch)
-        ref = m.generate(ids, attention_mask=mask, max_new_tokens=40, pad_token_id=1, eos_token_id=None)
-        out = eng.generate(ids, attention_mask=mask, max_new_tokens=40, pad_token_id=1, eos_token_id=None)
+        ref = m.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=1, eos_token_id=None)
+        out = eng.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=1, eos_token_id=None)
         assert torch.equal(out, ref), (options, batch)
 
 
