@@ -90,3 +90,32 @@ def test_a_bad_bucket_names_the_option_and_the_rule(bad):
         DecodeOptions(kv_bucket=bad)
     assert DecodeOptions.parse("kv_bucket=32").kv_bucket == 32
     assert DecodeOptions().kv_bucket == 0
+
+
+def test_kv_bucket_with_the_cache_offloaded_to_the_host():
+    """kv_offload's layer slots are (B, H, L, D) views of the whole cache: a step slices them
+    to its bucket the same way, with the plain model's tokens."""
+    from tests.unit.test_zero_inference import model, reference
+    m = model("llama", layers=3)
+    ids, mask, ref = reference(m, batch=3, new=20)
+    eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", replace_with_kernel_inject=True,
+                                   kv_offload=True, max_out_tokens=64)
+    eng.decoder.set_options(DecodeOptions(kv_bucket=16))
+    out = eng.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=1)
+    assert eng.decoder.kv_offload and torch.equal(out, ref)
+
+
+def test_the_hybrid_engine_passes_kv_bucket_to_its_inference_copy():
+    from shardwise.runtime.hybrid_engine import HybridEngine
+    from tests.unit.test_hybrid_engine import config
+    m = tiny("llama")
+    reference = copy.deepcopy(m)
+    engine, *_ = shardwise.initialize(model=m, config=config(3, {}))
+    assert isinstance(engine, HybridEngine)
+    engine.decode_options = DecodeOptions.parse("kv_bucket=16")
+    ids, mask = prompts(2)
+    engine.eval()
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    assert engine._copy.decoder.options.kv_bucket == 16
+    want = reference.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    assert torch.equal(got, want)
