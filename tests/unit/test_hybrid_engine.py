@@ -135,16 +135,18 @@ def test_fuse_and_unfuse_lora_weight_in_place():
     assert not engine.is_lora_fused
 
 
-def test_decode_options_reach_the_inference_copy_and_tokens_stay_the_references():
+@pytest.mark.parametrize("options,new", [("attention=reduction+gemv=reduction", 4),
+                                         ("kv_bucket=16", 20)])  # 20 new: two buckets
+def test_decode_options_reach_the_inference_copy_and_tokens_stay_the_references(options, new):
     from shardwise.inference.decode import DecodeOptions
     model = tiny("llama")
     reference = copy.deepcopy(model)
     engine, *_ = shardwise.initialize(model=model, config=config(3, {}))
     assert isinstance(engine, HybridEngine)
-    engine.decode_options = DecodeOptions.parse("attention=reduction+gemv=reduction")
+    engine.decode_options = DecodeOptions.parse(options)
     ids, mask = prompts(2)
     engine.eval()
-    got = engine.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    assert engine._copy.decoder.options == DecodeOptions(attention="reduction", gemv="reduction")
-    want = reference.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    got = engine.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    assert engine._copy.decoder.options == DecodeOptions.parse(options)
+    want = reference.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
     assert torch.equal(got, want)

@@ -104,18 +104,3 @@ def test_kv_bucket_with_the_cache_offloaded_to_the_host():
     out = eng.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=1)
     assert eng.decoder.kv_offload and torch.equal(out, ref)
 
-
-def test_the_hybrid_engine_passes_kv_bucket_to_its_inference_copy():
-    from shardwise.runtime.hybrid_engine import HybridEngine
-    from tests.unit.test_hybrid_engine import config
-    m = tiny("llama")
-    reference = copy.deepcopy(m)
-    engine, *_ = shardwise.initialize(model=m, config=config(3, {}))
-    assert isinstance(engine, HybridEngine)
-    engine.decode_options = DecodeOptions.parse("kv_bucket=16")
-    ids, mask = prompts(2)
-    engine.eval()
-    got = engine.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
-    assert engine._copy.decoder.options.kv_bucket == 16
-    want = reference.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
-    assert torch.equal(got, want)
