@@ -68,6 +68,7 @@ CALLS=(
   "issue20g    20  400 s  issue20f cut to a short lease (the budget drops its tail)"
   "issue20h    20  570 s  graph tests (regional fix) + infer_bench verify + int8 GEMV forms"
   "issue20i    20  560 s  kv_bucket tests + 7B B=32 vs HF static with kv_bucket=32 + int8 step kernels"
+  "issue20j    20  560 s  int8: realize_inputs (no norm/SiLU fused into the GEMVs): tokens, kernels, 1.6x row"
   "issue22     22  560 s  zero_inference_bench --plan issue22"
   "issue22b    22  420 s  zero_inference_bench --plan issue22b (NVMe rows, batch 64, DeepSpeed B=16)"
   "issue26f    26  560 s  fp8_bench --quick"
@@ -265,6 +266,18 @@ run_issue20i() {
   python3 benchmarks/infer_bench.py --units 7b:hf_static:32 7b:sw_inject:32 \
     7b:sw_inject@kv_bucket=32:32 --budget 260 --out "$OUT/infer_b32.json"
   python3 benchmarks/decode_probe.py --jobs 7b-int8:base,7b:base --budget 170
+}
+# int8 (1.05-1.23x bf16, target 1.6x): issue20i's profile showed inductor fusing the RMS norm
+# into the q/k/v GEMV and SiLU(gate)*up into the down GEMV, 139 us a layer against 78 us for
+# the GEMVs alone. DecodeOptions.realize_inputs writes each GEMV's input first: its tokens,
+# then the step kernel by kernel, then the 1.6x row against our bf16.
+run_issue20j() {
+  timeout 60 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_inference_gpu.py \
+    -k "realize_inputs" 2>&1 | tail -n 6
+  python3 benchmarks/infer_bench.py --units 7b:sw_inject:1 7b:sw_int8@realize_inputs=true:1 \
+    --budget 180 --out "$OUT/infer_int8.json"
+  python3 benchmarks/decode_probe.py --budget 190 --jobs \
+    7b-int8:realize_inputs=true,7b:base,7b-int8:realize_inputs=true+regional=true,7b:gemv=reduction+realize_inputs=true
 }
 run_issue20c() {
   python3 benchmarks/infer_bench.py --preset call3 --budget 240 --out "$OUT/infer_call3.json"

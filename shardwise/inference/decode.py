@@ -69,6 +69,12 @@ class DecodeOptions:
     ``torch._weight_int8pack_mm`` kernel, where this torch has it on CUDA; ``set_options``
     raises where it does not). On one H100 (torch 2.11) int8pack decoded the 7B at 18.8
     tokens/s at batch 1, a tenth of the reduction's speed: opt-in only."""
+    realize_inputs: bool = False
+    """Write each reduction GEMV's input (``gemv="reduction"``, or int8 weights) to memory
+    before the GEMV reads it (``quant.realized``). Left to itself, inductor fuses the RMS norm
+    (and residual add) into the q/k/v and gate/up GEMVs and SiLU(gate) * up into the down
+    GEMV, and each block of output rows recomputes them: on one H100 (RESULTS.md twentieth
+    session) the 7B int8 step's fused GEMVs took 139 us a layer against 78 us alone."""
     regional: Union[bool, str] = "auto"
     """Compile each decoder layer instead of the whole step (regional compilation): dynamo
     traces one layer and every identical layer reuses its graph, so the cold start no longer
@@ -418,6 +424,7 @@ class FastDecoder(nn.Module):
             if isinstance(module, Proj):
                 module.reduce_gemv = options.gemv == "reduction"
                 module.int8_kernel = options.int8
+                module.realize_input = options.realize_inputs
             elif isinstance(module, Block):
                 module.decode_attention = options.attention
                 module.sms = sms

@@ -45,19 +45,49 @@ def quantize_weight(weight: torch.Tensor) -> tuple:
 GEMV_ROWS = 2
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def realized(x: torch.Tensor) -> torch.Tensor:
+    """``x``, which inductor must now write to memory: an optimisation barrier.
+
+    A reduction GEMV otherwise inlines whatever elementwise work produced its input (the RMS
+    norm, the residual add, SiLU(gate) * up), and every block of output rows recomputes it
+    from its own loads. Requiring ``x``'s strides (``inductor_force_stride_order``, the prim
+    inductor itself uses where a kernel needs a fixed layout) makes it a buffer computed once.
+    Outside a compile, or where this torch lacks the prim, ``x`` is returned as it is.
+    """
+    if not torch.compiler.is_compiling():
+        return x
+    prim = getattr(torch.ops.prims, "inductor_force_stride_order", None) \
+        if _load_inductor_prims() else None
+    return x if prim is None else prim(x, x.stride())
+
+
+def _load_inductor_prims() -> bool:
+    """Registers inductor's prims (``torch.ops.prims.inductor_*``); False where that fails."""
+    try:
+        import torch._inductor.inductor_prims  # noqa: F401  (registers the ops)
+    except ImportError:
+        return False
+    return True
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
+         realize_input: bool = False) -> torch.Tensor:
     """The reduction form of x @ (weight [* scale]).T, accumulated in fp32 (see int8_linear).
 
     Under torch.compile the (..., out, in) product is never materialised: inductor emits one
     reduction kernel that reads each weight element once. Eager, it would be: compiled only.
+    ``realize_input``: ``x`` is written to memory first (``realized``), not recomputed inside.
     """
+    if realize_input:
+        x = realized(x)
     out = (x.unsqueeze(-2).float() * weight.float()).sum(dim=-1)
     return (out if scale is None else out * scale.float()).to(x.dtype)
 
 
-def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              realize_input: bool = False) -> torch.Tensor:
     """The reduction form of x @ (weight * scale).T for an int8 weight."""
-    return gemv(x, weight, scale)
+    return gemv(x, weight, scale, realize_input)
 
 
 INT8_KERNELS = ("reduction", "int8pack")
@@ -80,7 +110,8 @@ def int8pack_available(device_type: str) -> bool:
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                bias: Optional[torch.Tensor] = None, kernel: str = "reduction") -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, kernel: str = "reduction",
+                realize_input: bool = False) -> torch.Tensor:
     """x @ (weight * scale).T (+ bias) without materialising the float weight where possible.
 
     * CPU, eager, or ``kernel="int8pack"`` for a CUDA decode step of at most ``GEMV_ROWS``
@@ -100,7 +131,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                                         scale.to(x.dtype))
         out = out.reshape(*shape[:-1], weight.shape[0])
     elif torch.compiler.is_compiling() and x.device.type == "cuda" and rows <= GEMV_ROWS:
-        out = int8_gemv(x, weight, scale)
+        out = int8_gemv(x, weight, scale, realize_input)
     else:
         out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
     return out if bias is None else out + bias

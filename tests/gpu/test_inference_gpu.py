@@ -48,7 +48,9 @@ def test_bf16_and_int8_run_compiled():
     ("gemv=reduction", 8), ("attention=split", 8), ("attention=reduction", 8),
     ("gemv=reduction+attention=split", 8), ("regional=true", 8), ("regional=true+attention=split", 8),
     # kv_bucket: one graph per bucket (16, 32, 48 over 40 new tokens), one dynamic-length trace
-    ("kv_bucket=16", 40), ("kv_bucket=16+regional=true", 40), ("kv_bucket=16+attention=split", 40)])
+    ("kv_bucket=16", 40), ("kv_bucket=16+regional=true", 40), ("kv_bucket=16+attention=split", 40),
+    # the GEMV inputs written to memory first (an inductor barrier), whole step and regional
+    ("gemv=reduction+realize_inputs=true", 8), ("gemv=reduction+realize_inputs=true+regional=true", 8)])
 def test_decode_options_give_hf_tokens_fp32(options, new):
     """Every DecodeOptions alternative of the compiled step (decode_probe compares their speed)."""
     from shardwise.inference.decode import DecodeOptions

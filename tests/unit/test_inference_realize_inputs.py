@@ -1,0 +1,86 @@
+"""DecodeOptions.realize_inputs: the reduction GEMV's input becomes a buffer under compile."""
+import pytest
+import torch
+
+import shardwise
+
+from shardwise.inference.decode import DecodeOptions
+from shardwise.inference.layers import Proj
+from shardwise.inference.quant import gemv, int8_gemv, int8_linear, quantize_weight, realized
+from tests.unit._inference_models import tiny
+
+
+def _norm_then_gemv(x, w, nw, realize):
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    return gemv(h, w, realize_input=realize)
+
+
+def _traced_targets(fn, *args):
+    """The call targets of the graph dynamo hands its backend for ``fn(*args)``."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+    return seen
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, 1, 256, generator=g), torch.randn(384, 256, generator=g),
+            torch.randn(256, generator=g))
+
+
+@pytest.mark.parametrize("realize", [False, True])
+def test_barrier_is_in_the_compiled_graph_only_when_asked(realize):
+    x, w, nw = _inputs()
+    targets = _traced_targets(lambda a, b, c: _norm_then_gemv(a, b, c, realize), x, w, nw)
+    barrier = torch.ops.prims.inductor_force_stride_order.default
+    found = [t for t in targets if t in (barrier, torch.ops.prims.inductor_force_stride_order)]
+    assert len(found) == (1 if realize else 0), targets
+
+
+def test_inductor_result_matches_eager_with_the_barrier():
+    x, w, nw = _inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c: _norm_then_gemv(a, b, c, True), fullgraph=True,
+                             dynamic=False)
+    expected = torch.nn.functional.linear(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * nw, w)
+    torch.testing.assert_close(compiled(x, w, nw), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_reduction_keeps_its_values_with_the_barrier():
+    x, w, _ = _inputs()
+    q, scale = quantize_weight(w)
+    expected = x @ (q.float() * scale[:, None]).t()
+    torch._dynamo.reset()
+    # int8_linear takes the reduction branch only for CUDA; compile that branch directly here
+    compiled = torch.compile(lambda a: int8_gemv(a, q, scale, realize_input=True),
+                             fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), expected, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(int8_linear(x, q, scale, realize_input=True), expected,
+                               rtol=1e-4, atol=1e-3)
+
+
+def test_realized_is_the_same_tensor_outside_a_compile():
+    x = torch.randn(3, 4)
+    assert realized(x) is x
+
+
+def test_option_reaches_every_projection():
+    eng = shardwise.init_inference(tiny("llama"), dtype="fp32", replace_with_kernel_inject=True,
+                                   max_out_tokens=64)
+    dec = eng.decoder
+    dec.set_options(DecodeOptions.parse("realize_inputs=true"))
+    projs = [m for m in dec.modules() if isinstance(m, Proj)]
+    assert projs and all(p.realize_input for p in projs)
+    dec.set_options(DecodeOptions())
+    assert not any(p.realize_input for p in projs)
+
+
+def test_option_parses_and_defaults_off():
+    assert DecodeOptions().realize_inputs is False
+    assert DecodeOptions.parse("gemv=reduction+realize_inputs=true").realize_inputs is True
