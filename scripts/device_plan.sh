@@ -272,12 +272,12 @@ run_issue20i() {
 # the GEMVs alone. DecodeOptions.realize_inputs writes each GEMV's input first: its tokens,
 # then the step kernel by kernel, then the 1.6x row against our bf16.
 run_issue20j() {
-  timeout 60 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_inference_gpu.py \
+  timeout 50 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_inference_gpu.py \
     -k "realize_inputs" 2>&1 | tail -n 6
   python3 benchmarks/infer_bench.py --units 7b:sw_inject:1 7b:sw_int8@realize_inputs=true:1 \
     --budget 180 --out "$OUT/infer_int8.json"
-  python3 benchmarks/decode_probe.py --budget 190 --jobs \
-    7b-int8:realize_inputs=true,7b:base,7b-int8:realize_inputs=true+regional=true,7b:gemv=reduction+realize_inputs=true
+  python3 benchmarks/decode_probe.py --budget "${PROBE_S:-110}" --jobs \
+    7b-int8:realize_inputs=true,7b-int8:realize_inputs=true+regional=true,7b:gemv=reduction+realize_inputs=true
 }
 run_issue20c() {
   python3 benchmarks/infer_bench.py --preset call3 --budget 240 --out "$OUT/infer_call3.json"
