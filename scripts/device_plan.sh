@@ -19,10 +19,11 @@
 # H100 (RESULTS.md "Eighteenth session").
 # Nineteenth (2026-12-07 01:46-): nine refusals, then issue20h and one short call on one H100
 # (RESULTS.md "Nineteenth session").
-# With one GPU (30 device-minutes) next: issue23, issue20i, then issue23d and
-# issue26c/26d/26l/26f/26s.
-# With eight: `parallel issue20p issue20a issue20b issue23 issue26c issue26d issue26l issue26f`
-# in one lease, then issue26s/23d alone.
+# Twentieth (2026-12-07 03:54-): issue23, issue20i, issue26c, issue26d on one H100, then
+# refusals (RESULTS.md "Twentieth session").
+# With one GPU (30 device-minutes) next: issue20j (int8 with realize_inputs: decides its
+# default), then issue26l, issue23d, issue26f, issue26s.
+# With eight: `parallel issue20j issue26l issue26f issue23d` in one lease, then issue26s alone.
 #
 # On a machine with several GPUs, `bash scripts/device_plan.sh parallel NAME NAME ...` runs
 # up to one call per GPU at once (CUDA_VISIBLE_DEVICES=i, its own share of the cores through
