@@ -49,6 +49,27 @@ LABELS = {"sw_hybrid": "shardwise hybrid", "sw_zero3": "ZeRO-3 module.generate",
           "ds_hybrid": "DeepSpeed hybrid"}
 
 
+# --- the physical limit ---------------------------------------------------------------------
+def decode_bytes(shape: Dict[str, int], batch: int, visible: float, dtype_bytes: int = 2) -> float:
+    """Bytes one greedy decode step must read at least: every projection weight and the LM
+    head once (one embedding row is negligible), and the K/V of ``visible`` positions for each
+    of ``batch`` sequences in every layer."""
+    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i
+    weights = layers * per_layer + shape["vocab_size"] * h
+    cache = batch * layers * 2 * kv * visible
+    return (weights + cache) * dtype_bytes
+
+
+def generation_floor_s(shape: Dict[str, int], batch: int, prompt: int, new: int,
+                       bandwidth: float) -> float:
+    """The least time ``new`` decode steps can take at ``bandwidth`` bytes/s (prefill left
+    out): each step reads ``decode_bytes`` with, on average, prompt + (new + 1) / 2 written
+    positions. A ratio against plain ZeRO-3 above its generate time over this is impossible."""
+    return new * decode_bytes(shape, batch, prompt + (new + 1) / 2) / bandwidth
+
+
 # --- one measurement (child process) -------------------------------------------------------
 def _config(size: str, variant: str, args: argparse.Namespace, max_tokens: int) -> Dict[str, Any]:
     cuda = args.device == "cuda"
@@ -161,6 +182,11 @@ def measure(size: str, variant: str, batch: int, args: argparse.Namespace) -> Di
             for _ in range(args.repeats)]
     best = min(runs, key=lambda r: r["iter_s"])
     row.update(best, gen_tok_s=batch * args.new / best["gen_s"])
+    from _infer_measure import copy_bandwidth
+    bandwidth = copy_bandwidth(torch, args.device)
+    if bandwidth:
+        row["copy_tb_s"] = bandwidth / 1e12
+        row["floor_gen_s"] = generation_floor_s(SIZES[size], batch, args.prompt, args.new, bandwidth)
     return row
 
 
@@ -197,6 +223,16 @@ def print_tables(rows: List[Dict[str, Any]]) -> None:
         print(f"{r['size']:5} {label(r['variant']):40} {r['batch']:>3} {r['gen_tok_s']:10.1f} "
               f"{r['gen_s']:7.2f} {r['train_s']:8.2f} {r['switch_s']:8.3f} {r['allgather_s']:11.3f} "
               f"{r['peak_gib']:8.1f} {r['first_iter_s']:10.1f}")
+    floors = [r for r in rows if "floor_gen_s" in r and base_variant(r["variant"]) == "sw_hybrid"]
+    if floors:  # the physical limit next to the ratios: the weights and KV read once a step
+        print(f"\nHBM floor (weights + the written KV read once a step, at the copy bandwidth; "
+              f"prefill left out):")
+        for r in floors:
+            plain = _find(rows, r, "sw_zero3")
+            bound = f"{plain['gen_s'] / r['floor_gen_s']:.2f}x" if plain else "-"
+            print(f"        {r['size']:5} {r['batch']:>3} {label(r['variant']):40} floor "
+                  f"{r['floor_gen_s']:.2f} s at {r['copy_tb_s']:.2f} TB/s, measured at "
+                  f"{r['floor_gen_s'] / r['gen_s']:.0%} of it; gen vs ZeRO-3 at most {bound}")
     print(f"\nratios: {'size':5} {'B':>3} {'variant':40} {'gen vs ZeRO-3 (>=10x)':>22} "
           f"{'gen vs DeepSpeed (>=1.2x)':>26} {'switch / allgather (<=2x)':>26}")
     for r in rows:

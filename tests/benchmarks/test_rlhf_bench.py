@@ -47,3 +47,28 @@ def test_children_get_an_arch_list_deepspeed_can_parse(monkeypatch):
     assert child_env()["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
     assert "TORCH_CUDA_ARCH_LIST" not in child_env()
+
+
+def test_generation_floor_counts_weights_and_the_written_cache():
+    bench = _bench()
+    shape = bench.SIZES["7b"]
+    weights = bench.decode_bytes(shape, batch=16, visible=0)
+    # the Llama-2-7B shape: 6.48e9 projection and head parameters in bf16 (embeddings left out)
+    assert abs(weights / 2 - (32 * (4 * 4096 ** 2 + 3 * 4096 * 11008) + 32000 * 4096)) < 1
+    per_position = bench.decode_bytes(shape, 16, 1) - weights
+    assert per_position == 16 * 32 * 2 * 4096 * 2  # K and V, every layer, every sequence
+    # GQA: the 1.1B's 4 KV heads of 32 keep an eighth of the K/V width
+    small = bench.SIZES["1.1b"]
+    assert bench.decode_bytes(small, 1, 1) - bench.decode_bytes(small, 1, 0) == 22 * 2 * 256 * 2
+    # 256 steps with 256 + 128.5 positions written on average, at 3 TB/s
+    floor = bench.generation_floor_s(shape, 16, 256, 256, 3e12)
+    assert abs(floor - 256 * (weights + 384.5 * per_position) / 3e12) < 1e-9
+
+
+def test_floor_and_the_largest_possible_ratio_are_printed(capsys):
+    rows = [dict(_row("sw_hybrid", 2000.0, 0.03), gen_s=2.0, floor_gen_s=1.5, copy_tb_s=3.0),
+            dict(_row("sw_zero3", 400.0), gen_s=9.0)]
+    _bench().print_tables(rows)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "floor 1.50 s" in x)
+    assert "at 3.00 TB/s" in line and "75% of it" in line and "at most 6.00x" in line
