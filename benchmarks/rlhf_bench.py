@@ -183,7 +183,7 @@ def measure(size: str, variant: str, batch: int, args: argparse.Namespace) -> Di
     best = min(runs, key=lambda r: r["iter_s"])
     row.update(best, gen_tok_s=batch * args.new / best["gen_s"])
     from _infer_measure import copy_bandwidth
-    bandwidth = copy_bandwidth(torch, args.device)
+    bandwidth = copy_bandwidth(torch, args.device) if base_variant(variant) == "sw_hybrid" else None
     if bandwidth:
         row["copy_tb_s"] = bandwidth / 1e12
         row["floor_gen_s"] = generation_floor_s(SIZES[size], batch, args.prompt, args.new, bandwidth)

@@ -56,18 +56,11 @@ def realized(x: torch.Tensor) -> torch.Tensor:
     """
     if not torch.compiler.is_compiling():
         return x
-    prim = getattr(torch.ops.prims, "inductor_force_stride_order", None) \
-        if _load_inductor_prims() else None
-    return x if prim is None else prim(x, x.stride())
-
-
-def _load_inductor_prims() -> bool:
-    """Registers inductor's prims (``torch.ops.prims.inductor_*``); False where that fails."""
     try:
-        import torch._inductor.inductor_prims  # noqa: F401  (registers the ops)
+        from torch._inductor.inductor_prims import force_stride_order
     except ImportError:
-        return False
-    return True
+        return x
+    return force_stride_order(x, x.stride())
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
