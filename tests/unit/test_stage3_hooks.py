@@ -86,3 +86,50 @@ def test_a_delayed_update_reaching_the_weights_releases_what_was_kept(how: str):
     getattr(engine.strategy, how)()
     assert _gathered(engine) == set()
     engine.destroy()
+
+
+class _LossAndLogits(torch.nn.Module):
+    """An HF-style root: returns (loss, logits), the loss computed from the logits inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(16, 32)
+        self.head = torch.nn.Linear(32, 48)
+
+    def forward(self, x, y):
+        logits = self.head(torch.relu(self.body(x)))
+        return torch.nn.functional.cross_entropy(logits, y), logits
+
+
+def test_an_unused_output_gets_no_materialised_zero_gradient():
+    """Regression: the root's outputs were wrapped in an autograd function that let autograd
+    fill a zero gradient of the logits' size for the logits the loss backward never used
+    (1 GiB at the 1.1B benchmark's backward peak), and add it into their real gradient."""
+    import shardwise
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if torch.is_tensor(out):
+                self.made.append((func.overloadpacket.__name__, tuple(out.shape)))
+            return out
+
+    torch.manual_seed(0)
+    model = _LossAndLogits()
+    zero = {"stage3_param_persistence_threshold": 0}
+    engine, *_ = shardwise.initialize(model=model, config=engine_config(
+        3, 6, 1, 0.0, 1e-2, zero_optimization=zero))
+    x, y = torch.randn(6, 16), torch.randint(0, 48, (6,))
+    loss, logits = engine(x, y)
+    with Recorder() as rec:
+        engine.backward(loss)
+    zeros = [(op, shape) for op, shape in rec.made
+             if shape == tuple(logits.shape) and "zero" in op]
+    assert not zeros, zeros
+    engine.step()
+    engine.destroy()
