@@ -74,6 +74,7 @@ CALLS=(
   "issue22     22  560 s  zero_inference_bench --plan issue22"
   "issue22b    22  420 s  zero_inference_bench --plan issue22b (NVMe rows, batch 64, DeepSpeed B=16)"
   "issue26f    26  560 s  fp8_bench --quick"
+  "issue20m    20  560 s  issue20j's tokens and 1.6x row, then stage 3's peak (masters as shards) vs fsdp2"
   "issue26s    26  570 s  scale_bench: shardwise vs DeepSpeed, exact-size pinning"
   "gputests    all 560 s  the CUDA tests of the new paths (-v, one log)"
   "diag        20   60 s  the two CUDA test failures of 2026-12-05: split-KV blocks, int4 round trip"
@@ -290,6 +291,19 @@ run_issue20j() {
     --budget 180 --out "$OUT/infer_int8.json"
   python3 benchmarks/decode_probe.py --budget "${PROBE_S:-110}" --jobs \
     7b-int8:realize_inputs=true,7b-int8:realize_inputs=true+regional=true,7b:gemv=reduction+realize_inputs=true
+}
+# One call for what one lease may allow: issue20j's test and its 1.6x row, then issue 26's
+# peak-memory target after the stage-3 change (one rank: the fp32 masters are the shards, the
+# zero logits gradient gone) against fsdp2_compile, then issue20j's kernel profile.
+run_issue20m() {
+  timeout 90 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_inference_gpu.py \
+    tests/gpu/test_zero3_compile_gpu.py -k "realize_inputs or device" 2>&1 | tail -n 8
+  python3 benchmarks/infer_bench.py --units 7b:sw_inject:1 7b:sw_int8@realize_inputs=true:1 \
+    --budget 180 --out "$OUT/infer_int8.json"
+  tb --variants sw_z3_compile,fsdp2_compile,sw_z2_compile --grad-accum 4 --warmup 2 --steps 3 \
+    --timeout 100 --out "$OUT/i26_peak.json"
+  python3 benchmarks/decode_probe.py --budget "${PROBE_S:-90}" --jobs \
+    7b-int8:realize_inputs=true,7b:gemv=reduction+realize_inputs=true
 }
 run_issue20c() {
   python3 benchmarks/infer_bench.py --preset call3 --budget 240 --out "$OUT/infer_call3.json"

@@ -69,7 +69,8 @@ class GatherContext:
             if rec.status != RELEASED:
                 continue  # already gathered, or earlier in this batch (a tied weight)
             if rec.full is None:
-                rec.full = torch.empty(rec.padded, dtype=rec.storage.dtype,
+                # the compute dtype: a shard that is the fp32 master is cast on the way in
+                rec.full = torch.empty(rec.padded, dtype=rec.empty.dtype,
                                        device=rec.compute_device)
                 rec.gathered = rec.full[:rec.numel].view(rec.shape)
             storage = rec.full.untyped_storage()
@@ -98,8 +99,8 @@ class GatherContext:
         """This rank's shard on the compute device for its all-gather (kept in
         ``rec.staging`` while the gather may still read it)."""
         shard = rec.storage.staged()
-        if shard.device != rec.compute_device:
-            rec.staging = shard.to(rec.compute_device)
+        if shard.device != rec.compute_device or shard.dtype != rec.full.dtype:
+            rec.staging = shard.to(rec.compute_device, rec.full.dtype)
         elif not rec.storage.resident:  # a lent read buffer: the async gather gets a copy
             rec.staging = shard.clone()
         else:
@@ -119,7 +120,7 @@ class GatherContext:
             for rec in recs:
                 dst = rec.full
                 if rec.world > 1:
-                    rec.staging = torch.empty(rec.chunk, dtype=rec.storage.dtype, device=device)
+                    rec.staging = torch.empty(rec.chunk, dtype=rec.full.dtype, device=device)
                     dst = rec.staging
                 dst.copy_(rec.storage.staged(), non_blocking=True)
                 if not rec.storage.resident:  # NVMe: the read buffer is free after this copy

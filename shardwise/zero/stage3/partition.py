@@ -54,7 +54,8 @@ class PartitionedParam:
     group: Optional[dist.ProcessGroup]
     storage: ShardStorage
     """This rank's ``chunk`` elements (padding included), compute dtype, on the shard device
-    (the accelerator, or the CPU under ``offload_param``)."""
+    (the accelerator, or the CPU under ``offload_param``); for a trained parameter of a
+    one-rank engine without offload, its fp32 master itself (a gather casts it)."""
     compute_device: torch.device
     """Where the gathered parameter lives while a module uses it."""
     empty: torch.Tensor = field(repr=False, default=None)  # type: ignore[assignment]
@@ -217,7 +218,7 @@ class Partitioner:
         a parameter another partitioner holds is adopted instead."""
         rec = record_of(p)
         if rec is not None:
-            return self.adopt(p, dtype or rec.storage.dtype)
+            return self.adopt(p, dtype or rec.empty.dtype)
         dtype = dtype or p.dtype
         numel = p.numel()
         chunk = -(-numel // self.world) if numel else 0

@@ -54,7 +54,7 @@ from ..strategy import ZeroStrategy
 from .grad_reduce import GradReducer
 from .params import Stage3Params
 from .partition import PartitionedParam
-from .master_shards import MasterShards
+from .master_shards import MasterShards, shards_from_masters
 
 
 class Stage3Strategy(ZeroStrategy):
@@ -169,11 +169,9 @@ class Stage3Strategy(ZeroStrategy):
                      f"{spare / 2**30:.2f} GiB on this rank", ranks=[0])
 
     def _build_masters(self) -> None:
-        """This rank's fp32 masters of the partitioned trainable parameters and their
-        gradient partitions (:class:`~shardwise.offload.host_pieces.HostPieces`)."""
+        """This rank's fp32 masters and gradient partitions (:class:`HostPieces`)."""
         self.rec: Dict[int, PartitionedParam] = {
-            id(p): self.partitioner.record(p) for params in self.trainable for p in params}
-        self.rec.update((id(p), self.partitioner.record(p)) for p in self.frozen_parts)
+            id(p): self.partitioner.record(p) for p in sum(self.trainable, []) + self.frozen_parts}
         """The partition record of each partitioned parameter the strategy trains or skips."""
         self.masters = HostPieces([[(id(p), self.rec[id(p)]) for p in params]
                                    for params in self.trainable],
@@ -182,6 +180,8 @@ class Stage3Strategy(ZeroStrategy):
         refresh = weak_method(self._refresh_master)  # the records outlive this strategy
         for p in sum(self.trainable, []):
             self.rec[id(p)].on_modified = refresh
+        if self.world == 1 and not (self.offload_param or self.offload_opt):
+            shards_from_masters(self.rec, self.masters.piece)  # no bf16 copy resident
 
     def _build_offload_step(self) -> None:
         """When the masters are stepped (:class:`StepSchedule`), the eager window and where
