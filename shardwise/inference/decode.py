@@ -69,12 +69,15 @@ class DecodeOptions:
     ``torch._weight_int8pack_mm`` kernel, where this torch has it on CUDA; ``set_options``
     raises where it does not). On one H100 (torch 2.11) int8pack decoded the 7B at 18.8
     tokens/s at batch 1, a tenth of the reduction's speed: opt-in only."""
-    realize_inputs: bool = False
+    realize_inputs: Union[bool, str] = "auto"
     """Write each reduction GEMV's input (``gemv="reduction"``, or int8 weights) to memory
-    before the GEMV reads it (``quant.realized``). Left to itself, inductor fuses the RMS norm
-    (and residual add) into the q/k/v and gate/up GEMVs and SiLU(gate) * up into the down
-    GEMV, and each block of output rows recomputes them: on one H100 (RESULTS.md twentieth
-    session) the 7B int8 step's fused GEMVs took 139 us a layer against 78 us alone."""
+    before the GEMV reads it (``quant.realized``): True, False, or "auto" (int8 weights only).
+    Left to itself, inductor fuses the RMS norm (and residual add) into the q/k/v and gate/up
+    GEMVs and SiLU(gate) * up into the down GEMV, and each block of output rows recomputes
+    them: on one H100 (RESULTS.md twentieth session) the 7B int8 step's fused GEMVs took
+    139 us a layer against 78 us alone. Written first (twenty-first session) the int8 step
+    went from 5.13 to 3.60 ms, 279.5 tokens/s against 185.8 for bf16 (1.50x, from 1.05-1.23x);
+    the bf16 reduction GEMV with it is not measured yet, so "auto" leaves it fused."""
     regional: Union[bool, str] = "auto"
     """Compile each decoder layer instead of the whole step (regional compilation): dynamo
     traces one layer and every identical layer reuses its graph, so the cold start no longer
@@ -121,7 +124,8 @@ class DecodeOptions:
     def __post_init__(self) -> None:
         for name, allowed in (("gemv", ("cublas", "reduction")), ("int8", INT8_KERNELS),
                               ("attention", ("auto", "sdpa", "split", "reduction")),
-                              ("regional", (True, False, "auto"))):
+                              ("regional", (True, False, "auto")),
+                              ("realize_inputs", (True, False, "auto"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"DecodeOptions.{name} = {getattr(self, name)!r}; expected one of "
                                   f"{', '.join(map(str, allowed))}.")
@@ -427,7 +431,8 @@ class FastDecoder(nn.Module):
             if isinstance(module, Proj):
                 module.reduce_gemv = options.gemv == "reduction"
                 module.int8_kernel = options.int8
-                module.realize_input = options.realize_inputs
+                module.realize_input = (module.scale is not None if options.realize_inputs == "auto"
+                                        else bool(options.realize_inputs))
             elif isinstance(module, Block):
                 module.decode_attention = options.attention
                 module.sms = sms
