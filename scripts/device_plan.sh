@@ -21,9 +21,12 @@
 # (RESULTS.md "Nineteenth session").
 # Twentieth (2026-12-07 03:54-): issue23, issue20i, issue26c, issue26d on one H100, then
 # refusals (RESULTS.md "Twentieth session").
-# With one GPU (30 device-minutes) next: issue20j (int8 with realize_inputs: decides its
-# default), then issue26l, issue23d, issue26f, issue26s.
-# With eight: `parallel issue20j issue26l issue26f issue23d` in one lease, then issue26s alone.
+# Twenty-first (2026-12-07 05:59-): six refusals, then issue20m, issue26l and two short
+# decode_probe calls on one H100 (RESULTS.md "Twenty-first session").
+# With one GPU (30 device-minutes) next: issue26g (stage 3's freed gradient partitions: GA 1
+# peak against fsdp2, and the compiled stage-3 CUDA test the issue20m call cut), then
+# issue23h if the machine is an H200 (else issue26f), issue26s, issue23d.
+# With eight: `parallel issue26g issue26f issue23d issue23h` in one lease, then issue26s alone.
 #
 # On a machine with several GPUs, `bash scripts/device_plan.sh parallel NAME NAME ...` runs
 # up to one call per GPU at once (CUDA_VISIBLE_DEVICES=i, its own share of the cores through
@@ -75,6 +78,7 @@ CALLS=(
   "issue22b    22  420 s  zero_inference_bench --plan issue22b (NVMe rows, batch 64, DeepSpeed B=16)"
   "issue26f    26  560 s  fp8_bench --quick"
   "issue20m    20  560 s  issue20j's tokens and 1.6x row, then stage 3's peak (masters as shards) vs fsdp2"
+  "issue26g    26  300 s  stage 3's gradient partitions freed between windows: GA-1 and GA-4 peaks vs fsdp2"
   "issue26s    26  570 s  scale_bench: shardwise vs DeepSpeed, exact-size pinning"
   "gputests    all 560 s  the CUDA tests of the new paths (-v, one log)"
   "diag        20   60 s  the two CUDA test failures of 2026-12-05: split-KV blocks, int4 round trip"
@@ -304,6 +308,17 @@ run_issue20m() {
     --timeout 100 --out "$OUT/i26_peak.json"
   python3 benchmarks/decode_probe.py --budget "${PROBE_S:-90}" --jobs \
     7b-int8:realize_inputs=true,7b:gemv=reduction+realize_inputs=true
+}
+# Stage 3's fp32 gradient partitions now live only inside a window: at GA 1 sw_z3 peaked
+# 3.97 GiB over fsdp2 (51.95 against 47.98 GiB, issue26l), the partitions FSDP2 does not hold
+# at the start of backward. The compiled stage-3 CUDA test first (issue20m's budget cut it).
+run_issue26g() {
+  timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_zero3_compile_gpu.py \
+    -k device 2>&1 | tail -n 6
+  tb --variants fsdp2,sw_z3,fsdp2_compile,sw_z3_compile --grad-accum 1 --warmup 2 --steps 5 \
+    --timeout 90 --out "$OUT/i26_peak_ga1.json"
+  tb --variants fsdp2_compile,sw_z3_compile --grad-accum 4 --warmup 2 --steps 3 --timeout 100 \
+    --out "$OUT/i26_peak_ga4.json"
 }
 run_issue20c() {
   python3 benchmarks/infer_bench.py --preset call3 --budget 240 --out "$OUT/infer_call3.json"

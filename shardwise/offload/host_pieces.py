@@ -27,9 +27,11 @@ class HostPieces:
 
     def __init__(self, groups: Sequence[Sequence[Tuple[int, PieceSource]]], *,
                  device: torch.device, pin: bool, double_grads: bool,
-                 masters_on_nvme: bool = False) -> None:
+                 masters_on_nvme: bool = False, transient_grads: bool = False) -> None:
         """``masters_on_nvme``: no host masters, placeholders only; each piece gets its values
-        while its sub-group is stepped (``offload/nvme_states.py``)."""
+        while its sub-group is stepped (``offload/nvme_states.py``); ``transient_grads``: the
+        gradient partitions' memory is freed between windows (:meth:`free_grads`)."""
+        self.transient_grads = transient_grads
         self.flat_master: List[torch.Tensor] = []
         self.flat_grad: List[torch.Tensor] = []
         self.piece: Dict[int, torch.Tensor] = {}
@@ -42,6 +44,7 @@ class HostPieces:
         self.on_nvme = masters_on_nvme
         for group in groups:
             self._add_group(group, device, pin, 2 if double_grads else 1)
+        self.free_grads()  # (transient ones) until the first gradient
 
     def _add_group(self, group: Sequence[Tuple[int, PieceSource]], device: torch.device,
                    pin: bool, grad_sets: int) -> None:
@@ -65,6 +68,21 @@ class HostPieces:
         self.flat_grad.append(grads[0])
         if grad_sets == 2:
             self.spare_flat_grad.append(grads[1])
+
+    def free_grads(self) -> None:
+        """``transient_grads`` (partitions on the device), between two windows: their memory goes back until the
+        next window's first gradient (:meth:`regrow_grads`), as FSDP2's sharded gradients do,
+        so a training step's peak at the start of backward holds no gradient partitions
+        (4 bytes a parameter over the ranks). Their values are dead: the first gradient of a
+        window overwrites its partition, and the step zeroes those that got none."""
+        for g in self.flat_grad if self.transient_grads else ():
+            g.untyped_storage().resize_(0)
+
+    def regrow_grads(self) -> None:
+        for g in self.flat_grad if self.transient_grads else ():
+            storage, nbytes = g.untyped_storage(), g.numel() * g.element_size()
+            if storage.size() < nbytes:
+                storage.resize_(nbytes)
 
     def grads(self) -> List[torch.Tensor]:
         """The non-empty flat gradient buffers (what the norm and the step read)."""

@@ -15,18 +15,14 @@ parameters (fewer than ``param_persistence_threshold`` elements) stay whole on e
   the module runs (forward and backward) and releases them after, prefetching ahead.
 - **Gradients** of partitioned parameters are reduce-scattered as soon as autograd has
   accumulated them, on *every* micro step, straight into this rank's fp32 gradient
-  partition (accumulated there across micro steps); the full-size gradient is freed at
-  once. Memory therefore stays at one partition per rank, at the price of one reduction per
-  micro step (DeepSpeed stage 3 makes the same choice).
-- **Small (persistent) parameters** are handled exactly like ZeRO stage 2, by a
-  ``DataParallelStrategy`` over just those parameters: whole weights on every rank,
-  gradients bucketed and reduce-scattered on the boundary, fp32 masters partitioned.
+  partition (accumulated there across micro steps; on the device, its memory is freed between
+  windows). One partition per rank, one reduction per micro step (as DeepSpeed's stage 3).
+- **Small (persistent) parameters** are handled like ZeRO stage 2 by a
+  ``DataParallelStrategy`` over just those parameters.
 - **Masters**: one fp32 flat buffer per optimizer param group holds this rank's owned
-  elements of every partitioned parameter of the group; each parameter's piece is a view,
-  so the optimizer's state maps onto ``ShardView``s one to one. Under
-  ``offload_optimizer`` it lives in (pinned) CPU memory and the step runs on the CPU.
-- **After the step** the masters are cast into the shards; nothing is all-gathered until
-  the next forward needs it.
+  elements of every partitioned parameter of the group; each parameter's piece is a view
+  (on the CPU under ``offload_optimizer``, where the step runs). After the step they are cast
+  into the shards (on one rank without offload they *are* the shards, cast at gather).
 """
 from __future__ import annotations
 
@@ -173,10 +169,10 @@ class Stage3Strategy(ZeroStrategy):
         self.rec: Dict[int, PartitionedParam] = {
             id(p): self.partitioner.record(p) for p in sum(self.trainable, []) + self.frozen_parts}
         """The partition record of each partitioned parameter the strategy trains or skips."""
-        self.masters = HostPieces([[(id(p), self.rec[id(p)]) for p in params]
-                                   for params in self.trainable],
-                                  device=self.master_device, pin=self.pin_opt,
-                                  double_grads=self.delayed, masters_on_nvme=self.nvme_opt)
+        self.masters = HostPieces(
+            [[(id(p), self.rec[id(p)]) for p in params] for params in self.trainable],
+            device=self.master_device, pin=self.pin_opt, double_grads=self.delayed,
+            masters_on_nvme=self.nvme_opt, transient_grads=not self.offload_opt)
         refresh = weak_method(self._refresh_master)  # the records outlive this strategy
         for p in sum(self.trainable, []):
             self.rec[id(p)].on_modified = refresh
@@ -259,6 +255,8 @@ class Stage3Strategy(ZeroStrategy):
             return
         final = self._boundary and self.offload_opt
         first = id(p) not in self._written
+        if not self._written:
+            self.masters.regrow_grads()  # the window's first gradient (freed by zero_grads)
         self._written.add(id(p))
         if final:
             self._final.add(id(p))
@@ -290,6 +288,7 @@ class Stage3Strategy(ZeroStrategy):
         # unless the loss scaler's overflow check must read them now
         if not self._grads_in_flight():
             self._acc.wait()
+        self.masters.regrow_grads()  # (a window whose backward produced no gradient)
         for pid, g in self.masters.grad_of.items():
             if pid not in self._written:
                 g.zero_()  # no gradient in this window (a skipped module)
@@ -436,6 +435,7 @@ class Stage3Strategy(ZeroStrategy):
         # next window's copies follow a delayed step's still in flight
         if not self.schedule.delayed_now:
             self._acc.wait()
+        self.masters.free_grads()
         self._written = set()
         for params in self.trainable:
             for p in params:
