@@ -52,7 +52,11 @@ def batch_at(corpus: torch.Tensor, step: int, cfg: BenchConfig) -> torch.Tensor:
     return torch.stack([corpus[s:s + cfg.seq] for s in starts.tolist()]).long()
 
 
-def engine_config(cfg: BenchConfig, fp8: bool, recipe: str) -> dict[str, Any]:
+def engine_config(cfg: BenchConfig, fp8: bool, recipe: str,
+                  lr_warmup: int = 30) -> dict[str, Any]:
+    """Both precisions alike: ZeRO-2, compiled layers, clipping at 1.0 and a linear warm-up of
+    the learning rate over ``lr_warmup`` steps (without one, the 7B shape's first steps spike
+    to a loss of 12-15 in bf16 too, and the final-loss comparison measures the spike)."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch, "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0, "bf16": {"enabled": True},
@@ -61,12 +65,16 @@ def engine_config(cfg: BenchConfig, fp8: bool, recipe: str) -> dict[str, Any]:
         "zero_optimization": {"stage": 2}, "steps_per_print": 1_000_000,
         "compile": {"enabled": True, "backend": "inductor"},
     }
+    if lr_warmup > 0:
+        config["scheduler"] = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr, "warmup_num_steps": lr_warmup,
+            "warmup_type": "linear"}}
     if fp8:
         config["fp8"] = {"enabled": True, "recipe": recipe}
     return config
 
 
-def run_worker(cfg: BenchConfig, fp8: bool, recipe: str) -> dict[str, Any]:
+def run_worker(cfg: BenchConfig, fp8: bool, recipe: str, lr_warmup: int) -> dict[str, Any]:
     import shardwise
     from train_bench import set_single_process_env
 
@@ -75,7 +83,8 @@ def run_worker(cfg: BenchConfig, fp8: bool, recipe: str) -> dict[str, Any]:
     torch.cuda.set_device(device)
     corpus = stdlib_corpus()
     model = build_model(cfg, device)
-    engine, *_ = shardwise.initialize(model=model, config=engine_config(cfg, fp8, recipe))
+    config = engine_config(cfg, fp8, recipe, lr_warmup)
+    engine, *_ = shardwise.initialize(model=model, config=config)
     losses, times = [], []
     total = cfg.warmup + cfg.steps
     for step in range(total):
@@ -94,7 +103,7 @@ def run_worker(cfg: BenchConfig, fp8: bool, recipe: str) -> dict[str, Any]:
             "fp8_layers": sum(type(m).__name__ == "Float8Linear" for m in model.modules())}
 
 
-def run_pair(shape: str, cfg: BenchConfig, recipe: str, timeout: float,
+def run_pair(shape: str, cfg: BenchConfig, recipe: str, lr_warmup: int, timeout: float,
              log_dir: Path) -> list[dict[str, Any]]:
     from train_bench import run_subprocess
 
@@ -103,7 +112,7 @@ def run_pair(shape: str, cfg: BenchConfig, recipe: str, timeout: float,
         name = f"{shape}_{'fp8_' + recipe if fp8 else 'bf16'}"
         log = log_dir / f"{name}.log"
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(
-            {"cfg": cfg.to_json(), "fp8": fp8, "recipe": recipe})]
+            {"cfg": cfg.to_json(), "fp8": fp8, "recipe": recipe, "lr_warmup": lr_warmup})]
         code, wall = run_subprocess(argv, log, timeout)
         row: dict[str, Any] = {"run": name, "shape": shape, "wall_s": wall, "error": None}
         for line in log.read_text(errors="replace").splitlines():
@@ -142,6 +151,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr-warmup", type=int, default=30,
+                   help="steps of linear learning-rate warm-up (0: constant lr)")
     p.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")) / "fp8_bench.json")
@@ -170,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         spec = json.loads(args.worker)
         try:
-            result = run_worker(BenchConfig.from_json(spec["cfg"]), spec["fp8"], spec["recipe"])
+            result = run_worker(BenchConfig.from_json(spec["cfg"]), spec["fp8"], spec["recipe"],
+                                spec.get("lr_warmup", 30))
         except BaseException as exc:
             traceback.print_exc()
             result = {"error": f"{type(exc).__name__}: {exc}"}
@@ -182,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fp8_bench_") as tmp:
         for shape, cfg in plan(args):
             print(f"[fp8_bench] {shape}: {cfg.to_json()}", flush=True)
-            rows += run_pair(shape, cfg, args.recipe, args.timeout, Path(tmp))
+            rows += run_pair(shape, cfg, args.recipe, args.lr_warmup, args.timeout, Path(tmp))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2))
     print("\nshardwise ZeRO-2 + compile, bf16 vs FP8 (" + args.recipe + "), byte-level stdlib "

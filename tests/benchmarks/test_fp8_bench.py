@@ -31,3 +31,21 @@ def test_plan_quick_and_full() -> None:
     cfg = fp8_bench.engine_config(full["1.1b"], fp8=True, recipe="rowwise")
     assert cfg["fp8"] == {"enabled": True, "recipe": "rowwise"} and cfg["compile"]["enabled"]
     assert "fp8" not in fp8_bench.engine_config(full["1.1b"], fp8=False, recipe="rowwise")
+
+
+def test_both_precisions_warm_the_learning_rate_up_alike() -> None:
+    import shardwise
+
+    cfg = fp8_bench.BenchConfig(vocab=256, seq=16, micro_batch=2, lr=3e-4)
+    config = fp8_bench.engine_config(cfg, fp8=False, recipe="tensorwise", lr_warmup=10)
+    assert config["scheduler"]["params"]["warmup_max_lr"] == 3e-4
+    assert "scheduler" not in fp8_bench.engine_config(cfg, False, "tensorwise", lr_warmup=0)
+    config.pop("compile")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    engine, _, _, scheduler = shardwise.initialize(model=model, config=config)
+    lrs = []
+    for _ in range(12):
+        engine.backward(engine(torch.randn(2, 8)).square().mean())
+        engine.step()
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
+    assert lrs[0] < lrs[4] < lrs[8] < 3e-4 and lrs[11] == 3e-4  # linear, then flat
