@@ -79,7 +79,9 @@ CALLS=(
   "issue26f    26  560 s  fp8_bench --quick"
   "issue20m    20  560 s  issue20j's tokens and 1.6x row, then stage 3's peak (masters as shards) vs fsdp2"
   "issue26g    26  300 s  stage 3's gradient partitions freed between windows: GA-1 and GA-4 peaks vs fsdp2"
-  "issue26f3   26  560 s  fp8 GPU tests, then 300 steps each: 1.1B at micro batch 8, the 7B shape's 8 layers"
+  "issue26f3   26  330 s  fp8 GPU tests, then 300 steps of the 1.1B at micro batch 8, bf16 and FP8"
+  "issue26f7   26  200 s  300 steps of the 7B shape's 8 layers, bf16 and FP8"
+  "issue26h    26  100 s  compiled vs compiled at GA 4 with the HF loss compiled: fsdp2, sw z2, sw z3"
   "issue26s    26  570 s  scale_bench: shardwise vs DeepSpeed, exact-size pinning"
   "gputests    all 560 s  the CUDA tests of the new paths (-v, one log)"
   "diag        20   60 s  the two CUDA test failures of 2026-12-05: split-KV blocks, int4 round trip"
@@ -347,8 +349,14 @@ run_issue26f3() {
     | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed" | tail -n 12
   python3 benchmarks/fp8_bench.py --shapes 1.1b --micro-batch 8 --steps 300 --timeout 150 \
     --out "$OUT/i26_fp8_1b.json"
+}
+run_issue26f7() {
   python3 benchmarks/fp8_bench.py --shapes 7b --layers-7b 8 --steps 300 --timeout 140 \
     --out "$OUT/i26_fp8_7b.json"
+}
+run_issue26h() {
+  tb --variants fsdp2_compile,sw_z2_compile,sw_z3_compile --grad-accum 4 --warmup 2 --steps 3 \
+    --timeout 100 --out "$OUT/i26_loss_compiled.json"
 }
 
 run_issue26s() {

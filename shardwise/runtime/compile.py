@@ -11,7 +11,10 @@ Granularity (``compile.granularity``):
   ``nn.ModuleList`` whose children are all of one class (a transformer's decoder layers) is
   compiled on its own. The blocks share one code object, so dynamo builds one graph and
   reuses it for every block: compile time is that of one block, and a graph break stays in
-  one block. Embeddings, the final norm, the head and the loss stay eager.
+  one block. A Hugging Face model's loss function (``model.loss_function``: the logits' upcast
+  to fp32 and the cross entropy) is compiled too, as torchtitan compiles its loss: inductor
+  fuses the upcast into the softmax, so neither pass writes an fp32 copy of the logits.
+  Embeddings, the final norm and the head stay eager.
 * ``"module"``: the whole model is one compiled region, as DeepSpeed's ``engine.compile()``
   does.
 
@@ -74,6 +77,9 @@ class CompileResult:
     zero3_units: bool = False
     """ZeRO stage 3: the blocks' forwards were compiled and each block is one gather unit,
     its gathers, releases and prefetches running eagerly around the compiled region."""
+    loss: Tuple[str, ...] = ()
+    """Qualified names of the modules whose Hugging Face ``loss_function`` was compiled
+    (granularity "blocks"; "module" compiles the loss with the rest)."""
 
     @property
     def is_compiled(self) -> bool:
@@ -261,20 +267,46 @@ def apply_compile(module: torch.nn.Module, *, backend: Backend = "inductor",
                     "activation_checkpointing.modules to compile them")
     if applied == "blocks":
         _raise_recompile_limit(len(targets))
+    compile_fn = functools.partial(torch.compile, backend=resolved, **kwargs)
     if zero3:
         assert units is not None  # _zero3_obstacle said so
-        compile_block_forwards([t for _, t in targets], units,
-                               functools.partial(torch.compile, backend=resolved, **kwargs))
+        compile_block_forwards([t for _, t in targets], units, compile_fn)
     else:
         for _, target in targets:
             target.compile(backend=resolved, **kwargs)
+    loss = compile_loss_functions(module, compile_fn) if applied == "blocks" else ()
     compiled = tuple(qualname for qualname, _ in targets)
     log_dist(f"compile: backend {name}, granularity {applied}: "
              + (f"{len(compiled)} blocks ({compiled[0]} .. {compiled[-1]})" if applied == "blocks"
                 else f"the whole {type(module).__name__}")
+             + (", and the loss function" if loss else "")
              + (", ZeRO-3 gathers around each compiled block" if zero3 else "")
              + (f", kwargs {kwargs}" if kwargs else ""), ranks=[0])
-    return CompileResult(name, applied, compiled, None, zero3_units=zero3)
+    return CompileResult(name, applied, compiled, None, zero3_units=zero3, loss=loss)
+
+
+def compile_loss_functions(module: torch.nn.Module,
+                           compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]
+                           ) -> Tuple[str, ...]:
+    """Compile the ``loss_function`` of every outermost Hugging Face model in ``module`` (the
+    root, or the model a PEFT or user wrapper holds; not the base model inside a
+    ``...ForCausalLM``, which never computes the loss); returns their qualified names.
+
+    ``PreTrainedModel.loss_function`` is a property with a setter, so the compiled function is
+    set on the instance (the class and other instances keep theirs). A loss function the user
+    compiled or replaced is compiled as it is, once."""
+    done = []
+    for qualname, sub in module.named_modules():
+        prop = getattr(type(sub), "loss_function", None)
+        if not isinstance(prop, property) or prop.fset is None:
+            continue
+        if any(qualname.startswith(f"{outer}.") or not outer for outer in done):
+            continue
+        fn = sub.loss_function
+        if getattr(fn, "_torchdynamo_orig_callable", None) is None:
+            sub.loss_function = compile_fn(fn)
+        done.append(qualname)
+    return tuple(done)
 
 
 def _zero3_obstacle(module: torch.nn.Module, backend_name: str,
@@ -349,4 +381,5 @@ def _gather_units(engine: Any) -> Optional[GatherUnits]:
     return units if isinstance(units, GatherUnits) else None
 
 
-__all__ = ["CompileResult", "apply_compile", "compile_engine", "find_blocks", "resolve_backend"]
+__all__ = ["CompileResult", "apply_compile", "compile_engine", "compile_loss_functions",
+           "find_blocks", "resolve_backend"]

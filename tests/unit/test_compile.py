@@ -343,3 +343,54 @@ def test_blocks_under_activation_checkpointing_stay_eager() -> None:
     assert "activation_checkpointing" in engine._compile_result.skipped_reason
     losses, params = _train(engine)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
+
+
+# --- the Hugging Face loss function ---------------------------------------------------------
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def _train_lm(engine, steps: int = 3):
+    gen = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 96, (4, 12), generator=gen)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses, [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_blocks_granularity_compiles_the_hf_loss_and_trains_like_eager(stage: int) -> None:
+    from torch._dynamo import lookup_backend
+    graphs = []
+
+    def recording_aot_eager(gm, example_inputs):
+        graphs.append({n.target for n in gm.graph.nodes if n.op == "call_function"})
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    eager, *_ = shardwise.initialize(model=_tiny_llama(), config=_config(stage))
+    ref_losses, ref_params = _train_lm(eager)
+    model = _tiny_llama()
+    engine, *_ = shardwise.initialize(model=model, config=_config(stage))
+    engine.compile(backend=recording_aot_eager)
+    assert engine._compile_result.loss == ("",)
+    assert getattr(model.loss_function, "_torchdynamo_orig_callable", None) is not None
+    assert type(model).loss_function is not model.loss_function  # the class keeps its own
+    losses, params = _train_lm(engine)
+    # a graph holding the cross entropy was built: the compiled loss is what ran
+    assert any(torch.nn.functional.cross_entropy in g for g in graphs)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for got, want in zip(params, ref_params):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_without_a_loss_function_compiles_only_its_blocks() -> None:
+    engine, *_ = shardwise.initialize(model=_model(), config=_config(enabled=True, backend="aot_eager"))
+    assert engine.is_compiled and engine._compile_result.loss == ()
