@@ -100,18 +100,22 @@ def train(rank: int, world: int, cfg: dict, compiled: bool) -> dict:
     inner_hooks = sum(len(m._forward_pre_hooks) for layer in engine.module.model.layers
                       for m in layer.modules() if m is not layer)
     return {"params": params, "counts": counts, "is_compiled": engine.is_compiled,
-            "units": bool(result and result.zero3_units), "inner_hooks": inner_hooks}
+            "units": bool(result and result.zero3_units), "inner_hooks": inner_hooks,
+            "loss": result.loss if result else ()}
 
 
 def check_compiled_run(out: dict) -> None:
-    """Compiled, one graph for every layer and step, one compiled call per layer per micro step."""
+    """Compiled: one graph for every layer and one for the HF loss function, built at the
+    first micro step and never again; per micro step one compiled call per layer and one for
+    the loss."""
     assert out["is_compiled"] and out["units"], "stage 3 + compile stayed eager"
     assert out["inner_hooks"] == 0  # the layer is one gather unit: no hooks inside it
+    assert out["loss"] == ("",)  # the root LlamaForCausalLM's loss_function
     probe = out["counts"][0]
     assert probe == (1, 1)  # the toolchain probe compiled and ran the backend once
     for step, (compiles, runs) in enumerate(out["counts"][1:], start=1):
-        assert compiles == 2, f"step {step}: {compiles - 1} graphs for the layers (want 1)"
-        assert runs == 1 + step * GA * LAYERS, f"step {step}: {runs - 1} compiled calls"
+        assert compiles == 3, f"step {step}: {compiles - 1} graphs (want 2: layers, loss)"
+        assert runs == 1 + step * GA * (LAYERS + 1), f"step {step}: {runs - 1} compiled calls"
 
 
 def mismatches(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> List[str]:
