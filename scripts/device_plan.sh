@@ -23,10 +23,12 @@
 # refusals (RESULTS.md "Twentieth session").
 # Twenty-first (2026-12-07 05:59-): six refusals, then issue20m, issue26l and two short
 # decode_probe calls on one H100 (RESULTS.md "Twenty-first session").
-# With one GPU (30 device-minutes) next: issue26g (stage 3's freed gradient partitions: GA 1
-# peak against fsdp2, and the compiled stage-3 CUDA test the issue20m call cut), then
-# issue23h if the machine is an H200 (else issue26f), issue26s, issue23d.
-# With eight: `parallel issue26g issue26f issue23d issue23h` in one lease, then issue26s alone.
+# Twenty-second (2026-12-07 11:24-): issue26g, issue26f, issue26s, then (after four refusals)
+# issue26h + issue26f7 + the 1.1B FP8 pair in one call and the fp8/z3-compile GPU tests
+# (RESULTS.md "Twenty-second session"): issue 26 has one target left (sw_z3_compile 1.042x
+# fsdp2_compile).
+# With one GPU (30 device-minutes) next: issue23h if the machine is an H200, issue23d.
+# With eight: `parallel issue23d issue23h` in one lease.
 #
 # On a machine with several GPUs, `bash scripts/device_plan.sh parallel NAME NAME ...` runs
 # up to one call per GPU at once (CUDA_VISIBLE_DEVICES=i, its own share of the cores through
