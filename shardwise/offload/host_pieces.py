@@ -70,10 +70,10 @@ class HostPieces:
             self.spare_flat_grad.append(grads[1])
 
     def free_grads(self) -> None:
-        """``transient_grads`` (partitions on the device), between two windows: their memory goes back until the
-        next window's first gradient (:meth:`regrow_grads`), as FSDP2's sharded gradients do,
-        so a training step's peak at the start of backward holds no gradient partitions
-        (4 bytes a parameter over the ranks). Their values are dead: the first gradient of a
+        """``transient_grads`` (partitions on the device), between two windows: their memory
+        goes back until the next window's first gradient (:meth:`regrow_grads`), as FSDP2's
+        sharded gradients do, so a training step's peak at the start of backward holds no
+        gradient partitions (4 bytes a parameter over the ranks). Their values are dead: the first gradient of a
         window overwrites its partition, and the step zeroes those that got none."""
         for g in self.flat_grad if self.transient_grads else ():
             g.untyped_storage().resize_(0)
