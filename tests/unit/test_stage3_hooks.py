@@ -19,8 +19,11 @@ def _gathered(engine) -> set:
             if record_of(p) is not None and record_of(p).status != "released"}
 
 
-def _config(ga: int, delayed: bool = False) -> dict:
-    zero = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1}
+def _config(ga: int, delayed: bool = False, reuse: int = 0, live: int = 10**9) -> dict:
+    """``reuse`` 0: only the edge modules are kept across a turn (nothing else is reused
+    within 0 elements)."""
+    zero = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1,
+            "stage3_max_reuse_distance": reuse, "stage3_max_live_parameters": live}
     if delayed:
         zero["offload_optimizer"] = {"device": "cpu", "delayed_update": True}
     return engine_config(3, 2, ga, 0.0, 1e-2, zero_optimization=zero)
@@ -55,9 +58,68 @@ def test_edge_modules_stay_gathered_across_turns_and_a_step_releases_all():
     engine.destroy()
 
 
+@pytest.mark.parametrize("bound", ["max_reuse_distance", "max_live_parameters"])
+def test_parameters_reused_across_a_turn_within_max_reuse_distance_stay_gathered(bound: str):
+    """DeepSpeed's stage3_max_reuse_distance counts along a trace that runs through forward
+    and backward: a module whose next use (in the other pass) comes within that many
+    elements keeps its gathered parameters over the turn instead of gathering them twice.
+    TinyNet runs fc1, fc2, head forward and head, fc2, fc1 backward; with a distance between
+    2 x head (fc2's gap over the forward->backward turn) and 2 x (fc2 + head) (fc1's gap), fc2
+    stays gathered into backward; its gap over the backward->forward turn, 2 x fc1, is
+    shorter still, so it stays into the next forward too; fc1 (forward->backward) and head
+    (backward->forward) do not. The same sets when the distance is unbounded but what is kept
+    must leave the prefetch bucket (1 element) of room under max_live_parameters, set to
+    everything but one element: the two modules nearest each turn fit, the third does not."""
+    import shardwise
+    from shardwise.zero.stage3.partition import record_of
+    model = make_model()
+    size = {n: p.numel() for n, p in model.named_parameters()}
+    fc1, fc2, head = (size[f"{m}.weight"] + size[f"{m}.bias"] for m in ("fc1", "fc2", "head"))
+    assert 2 * head < 2 * fc1 < 2 * (fc2 + head) - 1 < 2 * (fc1 + fc2)
+    if bound == "max_reuse_distance":
+        config = _config(ga=2, reuse=2 * (fc2 + head) - 1)
+    else:
+        config = _config(ga=2, reuse=10**9, live=1 + fc1 + fc2 + head - 1)
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    padded = {n: record_of(p).padded for n, p in engine.module.named_parameters()}
+    assert padded == size  # one rank: nothing padded, so the distances above are exact
+    name_of = {id(record_of(p)): n for n, p in engine.module.named_parameters()}
+    gathers = engine.strategy.gathers
+    real_start = gathers.start
+    started: list = []
+
+    def counting_start(recs):
+        recs = list(recs)
+        started.extend(name_of[id(r)] for r in recs if r.status == "released")
+        return real_start(recs)
+
+    gathers.start = counting_start
+    seen, fc2_gathers = [], []
+    for x, y in global_batches(3, 4):
+        for k in range(2):
+            started.clear()
+            loss = engine(x[2 * k:2 * k + 2], y[2 * k:2 * k + 2])
+            after_forward = _gathered(engine)
+            engine.backward(loss)
+            seen.append((after_forward, _gathered(engine)))
+            fc2_gathers.append(started.count("fc2.weight"))
+            engine.step()
+    gathers.start = real_start
+    fc1_names, fc2_names = {"fc1.weight", "fc1.bias"}, {"fc2.weight", "fc2.bias"}
+    head_names = {"head.weight", "head.bias"}
+    for i, (after_forward, after_backward) in enumerate(seen[1:], start=1):
+        assert after_forward == fc2_names | head_names, i
+        boundary = i % 2 == 1
+        assert after_backward == (set() if boundary else fc1_names | fc2_names), i
+    # once traced, fc2 is gathered once per window: by the forward after a step, and never
+    # again by its backward or by the window's second forward
+    assert fc2_gathers[1:] == [0, 1, 0, 1, 0], fc2_gathers
+    engine.destroy()
+
+
 def test_kept_parameters_change_nothing_in_the_result():
     import shardwise
-    engine, *_ = shardwise.initialize(model=make_model(), config=_config(ga=3))
+    engine, *_ = shardwise.initialize(model=make_model(), config=_config(ga=3, reuse=10**9))
     for x, y in global_batches(4, 6):
         for k in range(3):
             engine.backward(engine(x[2 * k:2 * k + 2], y[2 * k:2 * k + 2]))

@@ -17,7 +17,10 @@
   modules of forward come right after backward (the next micro step). Their parameters are
   kept gathered across each turn (up to ``prefetch_bucket_size`` elements, at least one
   module: the lm_head and the embedding of a language model), so neither turn waits for a
-  fetch that no prefetch could have started earlier. Across an optimizer step nothing is
+  fetch that no prefetch could have started earlier; so are those reused across the turn
+  within ``max_reuse_distance`` elements (DeepSpeed's rule: its trace runs through forward
+  and backward), which saves their second gather: with the default 1e9, the decoder layers
+  nearest each turn while they total under half of it. Across an optimizer step nothing is
   kept: the weights change there.
 - Nothing assumes that backward follows forward: ``eval()``/``no_grad`` forwards (e.g.
   ``model.generate()``) gather and release in the forward hooks only.
@@ -110,10 +113,12 @@ class Trace:
     keep: List[Set[int]] = field(default_factory=list)
     """Per position: ids of records reused soon after it (kept gathered over the gap)."""
     head: Set[int] = field(default_factory=set)
-    """Records the first modules use: kept gathered from the end of backward into the next
-    forward."""
+    """Records the first modules use (up to the prefetch budget) and those the next forward
+    reuses within ``max_reuse_distance``: kept gathered from the end of backward into the
+    next forward of the same accumulation window."""
     tail: Set[int] = field(default_factory=set)
-    """Records the last modules use: kept gathered from the end of a forward that records
+    """Records the last modules use (up to the prefetch budget) and those backward reuses
+    within ``max_reuse_distance``: kept gathered from the end of a forward that records
     gradients into its backward."""
 
 
@@ -289,8 +294,9 @@ class ParamCoordinator:
     def _fill_trace(self, trace: Trace) -> None:
         trace.params = [self.params_of(m) for m in trace.modules]
         trace.keep = self._reuse_table(trace.params)
-        trace.head = self._edge(trace.params)
-        trace.tail = self._edge(trace.params[::-1])
+        backward = trace.params[::-1]
+        trace.head = self._edge(trace.params) | self._reused_across(backward, trace.params)
+        trace.tail = self._edge(backward) | self._reused_across(trace.params, backward)
 
     def _edge(self, per_module: List[List[PartitionedParam]]) -> Set[int]:
         """Records of the first modules up to the prefetch budget (at least one module's,
@@ -305,6 +311,39 @@ class ParamCoordinator:
             ids.update(id(r) for r in new)
             total += numel
         return ids
+
+    def _reused_across(self, before: List[List[PartitionedParam]],
+                       after: List[List[PartitionedParam]]) -> Set[int]:
+        """Records whose last use in ``before`` (a forward, or a backward) is within
+        ``max_reuse_distance`` elements of their first use in ``after`` (the backward that
+        follows, or the next forward): DeepSpeed's rule, whose trace runs through both
+        passes. The elements between the two uses are those of the modules in between, in
+        both passes (a decoder layer near the turn, and the lm_head, stay gathered). What is
+        kept leaves ``prefetch_bucket_size`` of room under ``max_live_parameters``, so the
+        pass after the turn still prefetches."""
+        room = self.max_live - self.prefetch_elems
+        after_last: Dict[int, int] = {}
+        total = 0
+        for recs in before:
+            total += sum(r.padded for r in recs)
+            for r in recs:
+                after_last[id(r)] = total
+        kept: Set[int] = set()
+        seen: Set[int] = set()
+        gap = 0
+        for recs in after:
+            reused = [r for r in recs if id(r) in after_last and id(r) not in seen
+                      and total - after_last[id(r)] + gap <= self.max_reuse]
+            numel = sum(r.padded for r in reused)
+            if numel > room:  # whole modules, nearest the turn first
+                break
+            kept.update(id(r) for r in reused)
+            room -= numel
+            seen.update(id(r) for r in recs)
+            gap += sum(r.padded for r in recs)
+            if gap > self.max_reuse:
+                break
+        return kept
 
     def _reuse_table(self, per_module: List[List[PartitionedParam]]) -> List[Set[int]]:
         """For each position, the records whose next use is within max_reuse_distance."""
