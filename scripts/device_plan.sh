@@ -65,6 +65,7 @@ CALLS=(
   "issue23     23  560 s  7B hybrid at batch 16 with decode options vs ZeRO-3 generate"
   "issue23d    23  560 s  DeepSpeed's hybrid engine at 7B and 1.1B (its kernels JIT-built)"
   "issue23h    23  570 s  on an H200: 7B hybrid (kv_bucket=32) vs ZeRO-3 generate, then DeepSpeed's at 7B"
+  "issue23g    23  250 s  issue23h's shardwise rows only (DeepSpeed's fails on H100 and H200 alike: software)"
   "issue20p    20  500 s  decode_probe: the 7B batch-1 step's kernels and options"
   "issue20a    20  560 s  infer_bench --preset call1 (1.1B matrix)"
   "issue20b    20  560 s  infer_bench --preset call2 (7B compiled rows, split attention, int8)"
@@ -259,6 +260,11 @@ run_issue23h() {
     --variants sw_zero3,sw_hybrid@kv_bucket=32,sw_hybrid --out "$OUT/i23_h200_rows.json"
   python3 benchmarks/rlhf_bench.py --sizes 7b --batches 16 --repeats 1 --timeout 300 \
     --variants ds_hybrid --out "$OUT/i23_h200_ds_rows.json"
+}
+
+run_issue23g() {
+  python3 benchmarks/rlhf_bench.py --sizes 7b --batches 16 --repeats 1 --timeout 150 \
+    --variants sw_zero3,sw_hybrid@kv_bucket=32,sw_hybrid --out "$OUT/i23_h200_rows.json"
 }
 
 run_issue20p() {
