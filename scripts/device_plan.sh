@@ -27,8 +27,10 @@
 # issue26h + issue26f7 + the 1.1B FP8 pair in one call and the fp8/z3-compile GPU tests
 # (RESULTS.md "Twenty-second session"): issue 26 has one target left (sw_z3_compile 1.042x
 # fsdp2_compile).
-# With one GPU (30 device-minutes) next: issue23h if the machine is an H200, issue23d.
-# With eight: `parallel issue23d issue23h` in one lease.
+# Twenty-third (2026-12-07 13:23-): issue23d on one H100 (DeepSpeed's hybrid engine fails on
+# both models), then eleven refusals took the rest of the 30 device-minutes: issue26k (stage
+# 3's reuse across the turns, built this session) did not run.
+# With one GPU next: issue26k (any card, ~300 s), then issue23g if the machine is an H200.
 #
 # On a machine with several GPUs, `bash scripts/device_plan.sh parallel NAME NAME ...` runs
 # up to one call per GPU at once (CUDA_VISIBLE_DEVICES=i, its own share of the cores through

@@ -195,3 +195,80 @@ def test_an_unused_output_gets_no_materialised_zero_gradient():
     assert not zeros, zeros
     engine.step()
     engine.destroy()
+
+
+def _train_llama_counting_gathers(reuse: int, windows: int = 3, ga: int = 2):
+    """An 8-layer Llama with grouped-query attention under stage 3 (nothing persistent, each
+    decoder layer gathered as one piece), GA 2: how often each layer is gathered in each
+    window, and the trained parameters."""
+    import shardwise
+    import transformers
+    from shardwise.zero import GatheredParameters
+    from shardwise.zero.stage3.partition import record_of
+    from tests.distributed._hf_tiny import batches, hf_config
+
+    config = hf_config("llama-gqa")
+    config.num_hidden_layers = 8
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    engine, *_ = shardwise.initialize(model=model, config=engine_config(
+        3, 2, ga, 0.0, 1e-2, zero_optimization={
+            "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1,
+            "stage3_max_reuse_distance": reuse, "stage3_max_live_parameters": 10**9}))
+    # each decoder layer gathered as one piece, as the compiled engine gathers it
+    engine.strategy.coordinator.set_units(list(engine.module.model.layers))
+    name_of = {id(record_of(p)): n for n, p in engine.module.named_parameters()}
+    gathers = engine.strategy.gathers
+    real_start = gathers.start
+    started: list = []
+
+    def counting_start(recs):
+        recs = list(recs)
+        started.extend(name_of[id(r)] for r in recs if r.status == "released")
+        return real_start(recs)
+
+    gathers.start = counting_start
+    counts = []
+    for ids in batches(windows, 2 * ga):
+        started.clear()
+        for k in range(ga):
+            part = ids[2 * k:2 * k + 2]
+            engine.backward(engine(input_ids=part, labels=part).loss)
+            engine.step()
+        counts.append([started.count(f"model.layers.{i}.self_attn.q_proj.weight")
+                       for i in range(8)])
+    gathers.start = real_start
+    with GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return sizes, counts, params
+
+
+def test_a_llama_gathers_the_layers_nearest_each_turn_once_less():
+    """The rule on a user's shape (Llama, GQA, every parameter partitioned): in a window of two
+    micro steps a layer is gathered four times (each forward, each backward) less once per
+    turn it is kept over. Layer k stays gathered into backward when twice the elements after
+    it in forward (the later layers, the final norm, the lm_head) are within
+    max_reuse_distance, and from backward into the next forward when twice the elements
+    before it (the embedding, the earlier layers) are. The kept copies change no result."""
+    sizes, plain_counts, plain = _train_llama_counting_gathers(reuse=0)
+    layer = sum(v for n, v in sizes.items() if n.startswith("model.layers.0."))
+    norm, head = sizes["model.norm.weight"], sizes["lm_head.weight"]
+    embed = sizes["model.embed_tokens.weight"]
+    reuse = 2 * (3 * layer + norm + head)
+    after = {k: 2 * ((7 - k) * layer + norm + head) for k in range(8)}
+    before = {k: 2 * (k * layer + embed) for k in range(8)}
+    kept_into_backward = {k for k in range(8) if after[k] <= reuse}
+    kept_into_forward = {k for k in range(8) if before[k] <= reuse}
+    assert kept_into_backward == {4, 5, 6, 7} and kept_into_forward == {0, 1, 2, 3}
+    _, counts, params = _train_llama_counting_gathers(reuse=reuse)
+    _, all_counts, all_kept = _train_llama_counting_gathers(reuse=10**9)
+    want = [4 - 2 * (k in kept_into_backward) - (k in kept_into_forward) for k in range(8)]
+    for window in range(1, 3):  # the first window records the order
+        assert plain_counts[window] == [4] * 8, plain_counts
+        assert counts[window] == want, counts
+        assert all_counts[window] == [1] * 8, all_counts
+    for name in plain:
+        assert torch.equal(params[name], plain[name]), name
+        assert torch.equal(all_kept[name], plain[name]), name
