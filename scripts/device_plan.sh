@@ -28,7 +28,7 @@
 # (RESULTS.md "Twenty-second session"): issue 26 has one target left (sw_z3_compile 1.042x
 # fsdp2_compile).
 # Twenty-third (2026-12-07 13:23-): issue23d on one H100 (DeepSpeed's hybrid engine fails on
-# both models), then eleven refusals took the rest of the 30 device-minutes: issue26k (stage
+# both models), then thirteen refused calls took the rest of the 30 device-minutes: issue26k (stage
 # 3's reuse across the turns, built this session) did not run.
 # With one GPU next: issue26k (any card, ~300 s), then issue23g if the machine is an H200.
 #
