@@ -19,6 +19,24 @@ def _gathered(engine) -> set:
             if record_of(p) is not None and record_of(p).status != "released"}
 
 
+def _count_gathers(engine) -> list:
+    """The names of the parameters each gather of ``engine`` starts from released, appended
+    as they start (the engine's own method is wrapped for the rest of its life)."""
+    from shardwise.zero.stage3.partition import record_of
+    name_of = {id(record_of(p)): n for n, p in engine.module.named_parameters()}
+    gathers = engine.strategy.gathers
+    real_start = gathers.start
+    started: list = []
+
+    def counting_start(recs):
+        recs = list(recs)
+        started.extend(name_of[id(r)] for r in recs if r.status == "released")
+        return real_start(recs)
+
+    gathers.start = counting_start
+    return started
+
+
 def _config(ga: int, delayed: bool = False, reuse: int = 0, live: int = 10**9) -> dict:
     """``reuse`` 0: only the edge modules are kept across a turn (nothing else is reused
     within 0 elements)."""
@@ -83,17 +101,7 @@ def test_parameters_reused_across_a_turn_within_max_reuse_distance_stay_gathered
     engine, *_ = shardwise.initialize(model=model, config=config)
     padded = {n: record_of(p).padded for n, p in engine.module.named_parameters()}
     assert padded == size  # one rank: nothing padded, so the distances above are exact
-    name_of = {id(record_of(p)): n for n, p in engine.module.named_parameters()}
-    gathers = engine.strategy.gathers
-    real_start = gathers.start
-    started: list = []
-
-    def counting_start(recs):
-        recs = list(recs)
-        started.extend(name_of[id(r)] for r in recs if r.status == "released")
-        return real_start(recs)
-
-    gathers.start = counting_start
+    started = _count_gathers(engine)
     seen, fc2_gathers = [], []
     for x, y in global_batches(3, 4):
         for k in range(2):
@@ -104,7 +112,6 @@ def test_parameters_reused_across_a_turn_within_max_reuse_distance_stay_gathered
             seen.append((after_forward, _gathered(engine)))
             fc2_gathers.append(started.count("fc2.weight"))
             engine.step()
-    gathers.start = real_start
     fc1_names, fc2_names = {"fc1.weight", "fc1.bias"}, {"fc2.weight", "fc2.bias"}
     head_names = {"head.weight", "head.bias"}
     for i, (after_forward, after_backward) in enumerate(seen[1:], start=1):
@@ -204,7 +211,6 @@ def _train_llama_counting_gathers(reuse: int, windows: int = 3, ga: int = 2):
     import shardwise
     import transformers
     from shardwise.zero import GatheredParameters
-    from shardwise.zero.stage3.partition import record_of
     from tests.distributed._hf_tiny import batches, hf_config
 
     config = hf_config("llama-gqa")
@@ -218,17 +224,7 @@ def _train_llama_counting_gathers(reuse: int, windows: int = 3, ga: int = 2):
             "stage3_max_reuse_distance": reuse, "stage3_max_live_parameters": 10**9}))
     # each decoder layer gathered as one piece, as the compiled engine gathers it
     engine.strategy.coordinator.set_units(list(engine.module.model.layers))
-    name_of = {id(record_of(p)): n for n, p in engine.module.named_parameters()}
-    gathers = engine.strategy.gathers
-    real_start = gathers.start
-    started: list = []
-
-    def counting_start(recs):
-        recs = list(recs)
-        started.extend(name_of[id(r)] for r in recs if r.status == "released")
-        return real_start(recs)
-
-    gathers.start = counting_start
+    started = _count_gathers(engine)
     counts = []
     for ids in batches(windows, 2 * ga):
         started.clear()
@@ -238,7 +234,6 @@ def _train_llama_counting_gathers(reuse: int, windows: int = 3, ga: int = 2):
             engine.step()
         counts.append([started.count(f"model.layers.{i}.self_attn.q_proj.weight")
                        for i in range(8)])
-    gathers.start = real_start
     with GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
