@@ -5,9 +5,11 @@ engine around the model and hands the harness one callable that runs a whole opt
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import math
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -219,6 +221,29 @@ class Measurement:
     setup_gpu_peak_gib: float | None = None
     host_rss_peak_gib: float | None = None
     setup_s: float = 0.0
+    gc_pause_s: list[float] = field(default_factory=list)
+    """Per timed step, seconds the Python garbage collector ran: tells a GC pause from the GPU."""
+
+
+class _GcClock:
+    """Adds up the time Python's garbage collector runs, through ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._start
+
+    def __enter__(self) -> "_GcClock":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
 
 
 def measure(
@@ -237,15 +262,17 @@ def measure(
     if device.type == "cuda":
         result.setup_gpu_peak_gib = torch.cuda.max_memory_allocated(device) / GIB
         torch.cuda.reset_peak_memory_stats(device)
-    with HostRssSampler() as rss:
+    with HostRssSampler() as rss, _GcClock() as gc_clock:
         for _ in range(cfg.warmup):
             result.warmup_losses.append(float(step().detach().float().item()))
         synchronize(device)
         for _ in range(cfg.steps):
+            gc_before = gc_clock.total
             start = time.perf_counter()
             loss = step()
             synchronize(device)
             result.step_times.append(time.perf_counter() - start)
+            result.gc_pause_s.append(gc_clock.total - gc_before)
             result.losses.append(float(loss.detach().float().item()))
     result.host_rss_peak_gib = rss.peak_bytes / GIB
     if device.type == "cuda":
@@ -263,6 +290,8 @@ def summarize(m: Measurement, cfg: BenchConfig, flops_tok: float) -> dict[str, A
         "step_s": total / len(m.step_times) if m.step_times else float("nan"),
         "step_s_min": min(m.step_times) if m.step_times else float("nan"),
         "step_s_max": max(m.step_times) if m.step_times else float("nan"),
+        # the median is blind to a one-off pause; tokens_per_s (the mean) is what is reported
+        "step_s_median": statistics.median(m.step_times) if m.step_times else float("nan"),
         "mfu": tok_s * flops_tok / cfg.peak_flops,
         "gpu_peak_gib": m.gpu_peak_gib,
         "setup_gpu_peak_gib": m.setup_gpu_peak_gib,
@@ -274,6 +303,7 @@ def summarize(m: Measurement, cfg: BenchConfig, flops_tok: float) -> dict[str, A
         # loss-agreement table compares between variants
         "loss_curve": m.warmup_losses + m.losses,
         "step_times": m.step_times,
+        "gc_pause_s": m.gc_pause_s,
     }
 
 

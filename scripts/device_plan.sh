@@ -89,6 +89,7 @@ CALLS=(
   "issue26h    26  100 s  compiled vs compiled at GA 4 with the HF loss compiled: fsdp2, sw z2, sw z3"
   "issue26s    26  570 s  scale_bench: shardwise vs DeepSpeed, exact-size pinning"
   "issue26k    26  300 s  stage 3 keeps what it reuses across the turns: z3 compiled vs fsdp2, ABBA, + stage-3 GPU tests"
+  "issue26m    26  260 s  issue26k's pair with 16 timed steps a run, ABBA, GC pauses recorded (26k: 1.051x and 0.993x, one 1.23 s step)"
   "gputests    all 560 s  the CUDA tests of the new paths (-v, one log)"
   "diag        20   60 s  the two CUDA test failures of 2026-12-05: split-KV blocks, int4 round trip"
   "gputests3   19  170 s  the stage-3 / offload / engine CUDA tests (issue 19's 'CUDA tests on the GPU')"
@@ -380,6 +381,22 @@ run_issue26k() {
     --timeout 100 --out "$OUT/i26k_b.json"
   timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_zero3_compile_gpu.py \
     tests/gpu/test_stage3_gpu.py 2>&1 | tail -n 30
+}
+
+# issue26k gave 1.051x and 0.993x: the second run's sw_z3_compile had one 1.226 s step among
+# 0.90 s ones. Longer runs, the same pair, the GC pause of each step beside its time.
+run_issue26m() {
+  tb --variants fsdp2_compile,sw_z3_compile --grad-accum 4 --warmup 2 --steps 16 \
+    --timeout 120 --out "$OUT/i26m_a.json"
+  tb --variants sw_z3_compile,fsdp2_compile --grad-accum 4 --warmup 2 --steps 16 \
+    --timeout 120 --out "$OUT/i26m_b.json"
+  python3 - "$OUT"/i26m_a.json "$OUT"/i26m_b.json <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    for r in json.load(open(path))["results"]:
+        print(path.rsplit("/", 1)[-1], r["variant"], "median", round(r["step_s_median"], 4),
+              "steps", [round(t, 3) for t in r["step_times"]], "gc", [round(g, 3) for g in r["gc_pause_s"]])
+PY
 }
 
 run_issue26s() {
