@@ -89,6 +89,7 @@ CALLS=(
   "issue26h    26  100 s  compiled vs compiled at GA 4 with the HF loss compiled: fsdp2, sw z2, sw z3"
   "issue26s    26  570 s  scale_bench: shardwise vs DeepSpeed, exact-size pinning"
   "issue26k    26  300 s  stage 3 keeps what it reuses across the turns: z3 compiled vs fsdp2, ABBA, + stage-3 GPU tests"
+  "issue20q    20  450 s  int8 7B batch 1: attention reduction / split and the LM head in int8 (decode_probe), bf16 beside"
   "issue26m    26  260 s  issue26k's pair with 16 timed steps a run, ABBA, GC pauses recorded (26k: 1.051x and 0.993x, one 1.23 s step)"
   "gputests    all 560 s  the CUDA tests of the new paths (-v, one log)"
   "diag        20   60 s  the two CUDA test failures of 2026-12-05: split-KV blocks, int4 round trip"
@@ -274,6 +275,13 @@ run_issue20p() {
   python3 benchmarks/decode_probe.py --budget 230
   python3 benchmarks/decode_probe.py --jobs 7b:base,7b:attention=reduction --batch 16 \
     --prompt 256 --new 256 --budget 200
+}
+
+# int8 at 7B batch 1 (1.50x bf16, target 1.6x): attention is 8.2% of the step (32 blocks of
+# the SDPA kernel at batch 1) and the bf16 LM head 262 MB a step; both levers in one process.
+run_issue20q() {
+  python3 benchmarks/decode_probe.py --budget "${PROBE_S:-430}" --jobs \
+    7b-int8:base,7b-int8:attention=reduction,7b-int8:attention=split,7b-int8h:base,7b-int8h:attention=reduction,7b:base,7b:attention=reduction
 }
 
 run_issue20a() { python3 benchmarks/infer_bench.py --preset call1 --budget 540 --out "$OUT/infer_call1.json"; }
