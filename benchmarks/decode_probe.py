@@ -1,8 +1,7 @@
 """Where the batch-1 decode step's time goes: one process, random-init Llama, bf16, one GPU.
 
 For each job (``SIZE:OPTIONS``, OPTIONS a ``+``-joined list of ``DecodeOptions`` settings
-or ``base``; SIZE ``7b-int8`` for weight-only int8, whose "bound" stays the bf16 one; ``7b-int8h``
-with the LM head in int8 as well) it
+or ``base``; SIZE ``7b-int8`` for weight-only int8, whose "bound" stays the bf16 one) it
 compiles shardwise's kernel-injected decode step and reports:
 
   (a) the step alone: CUDA events over ``--steps`` back-to-back calls with fixed inputs (the
@@ -234,28 +233,11 @@ def _graph_skips() -> int:
     return int(sum(counters["inductor"].get(k, 0) for k in ("cudagraph_skips",)))
 
 
-class Int8Head(torch.nn.Module):
-    """A probe of the LM head in int8 too (the engine keeps it in bf16): per-row scales, its
-    input written first, the same reduction GEMV as the decoder layers' projections."""
-
-    def __init__(self, head: torch.nn.Module) -> None:
-        super().__init__()
-        from shardwise.inference.quant import quantize_weight
-        q, scale = quantize_weight(head.weight)
-        self.register_buffer("weight", q)
-        self.register_buffer("scale", scale.to(head.weight.dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from shardwise.inference.quant import int8_linear
-        return int8_linear(x, self.weight, self.scale, None, "reduction", realize_input=True)
-
-
 def run_job(size: str, options: Any, args: argparse.Namespace, state: Dict[str, Any],
             first: bool, bandwidth: Optional[float]) -> Dict[str, Any]:
     """Build (or reuse) the engine of ``size``, compile with ``options``, measure (a) and (b)."""
     import shardwise
-    model_key = size  # "7b-int8": weight-only int8; "7b-int8h": its LM head in int8 as well
-    size = size.removesuffix("-int8h").removesuffix("-int8")
+    model_key, size = size, size.removesuffix("-int8")  # "7b-int8": weight-only int8
     if state.get("size") != model_key:
         state.clear()
         gc.collect()
@@ -264,11 +246,9 @@ def run_job(size: str, options: Any, args: argparse.Namespace, state: Dict[str, 
         model = build_model(torch, size, args.device)
         state["weight_bytes"] = sum(p.numel() * 2 for p in model.parameters())  # bf16 bytes
         dtype = "bf16" if args.device == "cuda" else "fp32"
-        dtype = "int8" if model_key.endswith(("-int8", "-int8h")) else dtype
+        dtype = "int8" if model_key.endswith("-int8") else dtype
         state.update(size=model_key, engine=shardwise.init_inference(
             model, dtype=dtype, replace_with_kernel_inject=True, max_out_tokens=args.prompt + args.new))
-        if model_key.endswith("-int8h"):
-            state["engine"].decoder.lm_head = Int8Head(state["engine"].decoder.lm_head)
     engine = state["engine"]
     dec = engine.decoder
     torch._dynamo.reset()
@@ -347,7 +327,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for n, job in enumerate(args.jobs.split(",")):
         size, _, opts = job.partition(":")
         left = args.budget - (time.perf_counter() - start)
-        guess = JOB_ESTIMATE_S.get(size.removesuffix("-int8h").removesuffix("-int8"), 60)
+        guess = JOB_ESTIMATE_S.get(size.removesuffix("-int8"), 60)
         if left < guess * (1.5 if state.get("size") != size else 1.0):
             rows.append({"job": job, "error": f"skipped: {left:.0f} s of the budget left"})
             continue

@@ -87,6 +87,11 @@ class QuantConfig(ConfigModel):
     """Weight quantization settings (``num_bits`` other than 8 is not implemented)."""
     qkv: Dict[str, Any] = Field(default_factory=dict)
     """QKV quantization settings (no effect)."""
+    lm_head: bool = True
+    """Not DeepSpeed's: with ``dtype: "int8"``, quantize the output head too (as gpt-fast and
+    torchao do). A head tied to the input embedding stays in float either way (an int8 copy
+    would add memory). ``false`` keeps every head in the compute dtype (Hugging Face's
+    bitsandbytes int8 skips ``lm_head`` the same way)."""
 
 
 class CheckpointLoadConfig(ConfigModel):

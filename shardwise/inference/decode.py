@@ -33,7 +33,7 @@ from shardwise.errors import ConfigError
 from .arch import DecoderSpec, LayerSpec
 from .layers import (SPLIT_KV_CHUNK, Proj, column_parallel, head_rows, reduction_attention,
                      row_parallel, split_kv_attention)
-from .quant import INT8_KERNELS, int8pack_available
+from .quant import INT8_KERNELS, WeightOnlyInt8Linear, int8pack_available
 from .tp import TPPlan
 
 ROUND = 128  # cache lengths are rounded up to this, so few shapes get compiled
@@ -433,6 +433,9 @@ class FastDecoder(nn.Module):
                 module.int8_kernel = options.int8
                 module.realize_input = (module.scale is not None if options.realize_inputs == "auto"
                                         else bool(options.realize_inputs))
+            elif isinstance(module, WeightOnlyInt8Linear):  # an int8 LM head, called as it is
+                module.int8_kernel = options.int8
+                module.realize_input = options.realize_inputs in ("auto", True)
             elif isinstance(module, Block):
                 module.decode_attention = options.attention
                 module.sms = sms
@@ -446,11 +449,14 @@ class FastDecoder(nn.Module):
         options = {"triton.cudagraphs": bool(cuda_graph) and not regional,
                    "coordinate_descent_tuning": self.options.coordinate_descent,
                    "max_autotune": self.options.max_autotune, "epilogue_fusion": True}
-        for block in self.blocks:
-            block._compiled_call_impl = None  # an earlier regional compile
+        int8_head = isinstance(self.lm_head, WeightOnlyInt8Linear)
+        for module in (*self.blocks, self.lm_head):
+            module._compiled_call_impl = None  # an earlier regional compile
         if regional:
             for block in self.blocks:  # one graph: the blocks share Block.forward's code
                 block.compile(fullgraph=True, dynamic=False, options=options)
+            if int8_head:  # eager, an int8 head would write its weight out in bf16 every step
+                self.lm_head.compile(fullgraph=True, dynamic=False, options=options)
             self._step = GraphedCallable(self.step) if cuda_graph else self.step
             self._graphs = False  # our own graphs: no cudagraph_mark_step_begin
             return

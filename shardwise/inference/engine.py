@@ -77,7 +77,7 @@ class InferenceEngine(nn.Module):
         model = place_model(model.eval(), config, self.device, self.dtype)
         self.dtype = self.dtype or next(model.parameters()).dtype
         if config.int8:
-            quantize_linears(model, self.dtype)
+            quantize_linears(model, self.dtype, head=config.quant.lm_head)
         self.module = model
         self.decoder: Optional[FastDecoder] = None
         self.fast_path_reason: Optional[str] = None

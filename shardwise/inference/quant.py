@@ -1,12 +1,16 @@
 """Weight-only int8: per-output-channel symmetric scales, PyTorch's own kernels.
 
-``quantize_linears(module)`` replaces every ``nn.Linear`` (and GPT-2 ``Conv1D``) except the
-LM head and embeddings with ``WeightOnlyInt8Linear``: an int8 weight of shape (out, in) and
-one scale per output channel (max |w| / 127). The matmul is ``torch._weight_int8pack_mm``
-on CPU where torch has it; elsewhere ``F.linear(x, w.to(x.dtype)) * scale``, which
-``torch.compile`` fuses into one kernel that reads the int8 weight (half the bytes of bf16).
-When torchao is installed, ``quantize_linears(..., use_torchao=True)`` hands the layers to
-torchao's int8 weight-only scheme instead.
+``quantize_linears(module)`` replaces every ``nn.Linear`` (and GPT-2 ``Conv1D``) with
+``WeightOnlyInt8Linear``: an int8 weight of shape (out, in) and one scale per output channel
+(max |w| / 127). The LM head is quantized as well (``head=True``, the default: gpt-fast's and
+torchao's choice; at the 7B Llama it is 262 MB of the 13.5 GB a bf16 decode step reads) unless
+it shares its weight with the input embedding: a tied head stays in float, since an int8 copy
+beside the embedding would add memory. Embeddings stay in float. The matmul is
+``torch._weight_int8pack_mm`` on CPU where torch has it; elsewhere
+``F.linear(x, w.to(x.dtype)) * scale``, which ``torch.compile`` fuses into one kernel that
+reads the int8 weight (half the bytes of bf16). When torchao is installed,
+``quantize_linears(..., use_torchao=True)`` hands the layers to torchao's int8 weight-only
+scheme instead.
 
 ``perplexity`` and ``int8_perplexity_delta`` measure what quantization costs on a fixed text.
 """
@@ -35,7 +39,7 @@ FIXED_TEXT = (
 
 def quantize_weight(weight: torch.Tensor) -> tuple:
     """(int8 weight, fp32 per-row scale) for a float (out, in) weight: w ~= q * scale[:, None]."""
-    w = weight.detach().float()
+    w = weight.detach().float().contiguous()  # GPT-2's Conv1D hands in a transposed view
     scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
@@ -140,6 +144,10 @@ class WeightOnlyInt8Linear(nn.Module):
         self.register_buffer("int8_weight", int8_weight)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        # the fast decode path's DecodeOptions (set_options), for a layer it calls as it is
+        # (the LM head): which int8 kernel, and whether the GEMV's input is written first
+        self.int8_kernel = "reduction"
+        self.realize_input = False
 
     @classmethod
     def from_linear(cls, module: nn.Module, compute_dtype: torch.dtype) -> "WeightOnlyInt8Linear":
@@ -151,7 +159,8 @@ class WeightOnlyInt8Linear(nn.Module):
         return cls(q, scale.to(compute_dtype), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x, self.int8_weight, self.scale, self.bias)
+        return int8_linear(x, self.int8_weight, self.scale, self.bias, self.int8_kernel,
+                           self.realize_input)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
@@ -161,22 +170,35 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
-def _head_ids(model: nn.Module) -> set:
-    """Modules left in float: the output head (tied to the embedding in many models)."""
-    heads = set()
+def tied_head(model: nn.Module) -> bool:
+    """True when the output head shares its weight with the input embedding."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    out = get_out() if callable(get_out) else None
+    weight_in, weight_out = getattr(emb, "weight", None), getattr(out, "weight", None)
+    return weight_in is not None and weight_out is not None and \
+        (weight_in is weight_out or weight_in.data_ptr() == weight_out.data_ptr())
+
+
+def _float_ids(model: nn.Module, head: bool) -> set:
+    """ids of the linear modules left in float: the output head unless ``head`` and untied."""
     get_out = getattr(model, "get_output_embeddings", None)
     out = get_out() if callable(get_out) else None
-    if out is not None:
-        heads.add(id(out))
-    return heads
+    if out is None or (head and not tied_head(model)):
+        return set()
+    return {id(out)}
 
 
 def quantize_linears(model: nn.Module, compute_dtype: torch.dtype,
-                     use_torchao: bool = False) -> int:
-    """Replace the linear layers of ``model`` in place; returns how many were quantized."""
+                     use_torchao: bool = False, head: bool = True) -> int:
+    """Replace the linear layers of ``model`` in place; returns how many were quantized.
+
+    ``head``: the output head too, where it does not share the input embedding's weight.
+    """
+    skip = _float_ids(model, head)
     if use_torchao:
-        return _torchao_quantize(model)
-    skip = _head_ids(model)
+        return _torchao_quantize(model, skip)
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -186,12 +208,11 @@ def quantize_linears(model: nn.Module, compute_dtype: torch.dtype,
     return count
 
 
-def _torchao_quantize(model: nn.Module) -> int:
+def _torchao_quantize(model: nn.Module, skip: set) -> int:
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError:
         raise ConfigError("use_torchao=True needs torchao: pip install torchao") from None
-    skip = _head_ids(model)
     quantize_(model, Int8WeightOnlyConfig(),
               filter_fn=lambda m, _fqn: isinstance(m, nn.Linear) and id(m) not in skip)
     return sum(1 for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in skip)
@@ -213,15 +234,15 @@ def _logits_fn(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 @torch.no_grad()
 def int8_perplexity_delta(model: nn.Module, input_ids: torch.Tensor,
-                          dtype: torch.dtype = torch.bfloat16) -> Dict[str, float]:
+                          dtype: torch.dtype = torch.bfloat16, head: bool = True) -> Dict[str, float]:
     """Perplexity of ``model`` in ``dtype`` and with int8 weights on the same tokens.
 
-    Works on a deep copy (the caller's model is not changed). Returns
-    ``{"ppl_float", "ppl_int8", "delta", "relative"}``.
+    Works on a deep copy (the caller's model is not changed); ``head`` as in
+    ``quantize_linears``. Returns ``{"ppl_float", "ppl_int8", "delta", "relative"}``.
     """
     ref = copy.deepcopy(model).to(dtype).eval()
     ppl_float = perplexity(_logits_fn(ref), input_ids)
-    quantize_linears(ref, dtype)
+    quantize_linears(ref, dtype, head=head)
     ppl_int8 = perplexity(_logits_fn(ref), input_ids)
     return {"ppl_float": ppl_float, "ppl_int8": ppl_int8, "delta": ppl_int8 - ppl_float,
             "relative": (ppl_int8 - ppl_float) / ppl_float}

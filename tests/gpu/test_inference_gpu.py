@@ -91,6 +91,27 @@ def test_int8_kernels_give_the_same_tokens():
     assert out.shape == ref.shape and (out == ref).float().mean() > 0.8
 
 
+@pytest.mark.parametrize("regional", [False, True])
+def test_int8_head_compiled_whole_step_and_regional(regional):
+    """The int8 LM head runs in the compiled step (whole step), or compiled on its own beside
+    the regional layers (eager it would write its weight out in bf16 every step)."""
+    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.quant import WeightOnlyInt8Linear
+    m = tiny("llama")
+    ids, mask = _cuda(3)
+    eng = shardwise.init_inference(copy.deepcopy(m), dtype="int8", replace_with_kernel_inject=True,
+                                   max_out_tokens=64)
+    assert isinstance(eng.decoder.lm_head, WeightOnlyInt8Linear)
+    eager = copy.deepcopy(eng.module)
+    torch._dynamo.reset()
+    eng.decoder.set_options(DecodeOptions.parse(f"regional={str(regional).lower()}"))
+    eng.decoder.compile_step(cuda_graph=True)
+    assert (eng.decoder.lm_head._compiled_call_impl is not None) == regional
+    out = eng.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    ref = eager.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    assert out.shape == ref.shape and (out == ref).float().mean() > 0.8
+
+
 def test_split_kv_attention_with_the_efficient_kernel():
     from shardwise.inference.layers import split_kv_attention
     g = torch.Generator(device="cuda").manual_seed(0)
