@@ -30,7 +30,11 @@
 # Twenty-third (2026-12-07 13:23-): issue23d on one H100 (DeepSpeed's hybrid engine fails on
 # both models), then thirteen refused calls took the rest of the 30 device-minutes: issue26k (stage
 # 3's reuse across the turns, built this session) did not run.
-# With one GPU next: issue26k (any card, ~300 s), then issue23g if the machine is an H200.
+# Twenty-fourth (2026-12-07 15:57-): issue26k, issue26m (sw_z3_compile 1.051x fsdp2_compile:
+# issue 26 done), issue20q, issue20r, a short issue20q on one H100 (RESULTS.md "Twenty-fourth
+# session"): int8 with its head in int8 1.48x / 1.53x bf16, compile-to-compile noise +-5%.
+# With one GPU next: issue23g if the machine is an H200 (issue 23's last target); on an H100,
+# issue 20's int8 (several compiles of one config: see RESULTS.md on the variance).
 #
 # On a machine with several GPUs, `bash scripts/device_plan.sh parallel NAME NAME ...` runs
 # up to one call per GPU at once (CUDA_VISIBLE_DEVICES=i, its own share of the cores through

@@ -79,6 +79,11 @@ class MoEConfig(ConfigModel):
 class QuantConfig(ConfigModel):
     """``quant``: DeepSpeed's MoQ settings (only ``dtype: int8`` weight-only quantizes here)."""
 
+    inert = {"activation": "activations stay in the compute dtype (dtype \"int8\" is weight-only)",
+             "weight": "dtype \"int8\" quantizes weights to 8 bits, one symmetric scale per output "
+                       "channel (int4: weight_quantization under ZeRO-Inference)",
+             "qkv": "q/k/v are quantized like every other projection with dtype \"int8\""}
+
     enabled: bool = True
     """DeepSpeed's key; the quantization scheme here is fixed (per-channel symmetric int8)."""
     activation: Dict[str, Any] = Field(default_factory=dict)
@@ -386,6 +391,9 @@ def load_inference_config(config: Any = None, **kwargs: Any) -> InferenceConfig:
         raise _convert(exc) from None
     cfg._dtype_given = "dtype" in clean
     cfg._notes = report.notes + _seed_notes(raw, cfg)
+    if "lm_head" in (clean.get("quant") or {}) and not cfg.int8:
+        cfg._notes.append(f"quant.lm_head applies to dtype \"int8\" only; with dtype "
+                          f"\"{cfg.dtype}\" no weight is quantized.")
     for note in cfg._notes:
         warn_once(note)
     return cfg

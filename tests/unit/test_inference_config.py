@@ -78,6 +78,18 @@ def test_inert_key_warns(caplog):
     assert any("injection_policy" in w and "not applied" in w for w in cfg.warnings)
 
 
+def test_quant_section_says_what_applies():
+    """DeepSpeed's MoQ settings do nothing here and say so; quant.lm_head (ours) acts with int8."""
+    cfg = load_inference_config(dtype="int8", quant={"weight": {"num_bits": 4}, "activation": {"num_bits": 8}})
+    assert any("quant.weight" in w and "8 bits" in w and "weight_quantization" in w for w in cfg.warnings)
+    assert any("quant.activation" in w and "weight-only" in w for w in cfg.warnings)
+    assert cfg.quant.lm_head is True  # the default: an untied head is quantized too
+    off = load_inference_config(dtype="int8", quant={"lm_head": False})
+    assert off.quant.lm_head is False and off.warnings == []
+    bf16 = load_inference_config(dtype="bf16", quant={"lm_head": False})
+    assert any("quant.lm_head" in w and "bf16" in w for w in bf16.warnings)
+
+
 def test_seed_section_4_2_loads_and_routes_zero_inference():
     cfg = load_inference_config(SEED_4_2)
     assert isinstance(cfg, InferenceConfig)
