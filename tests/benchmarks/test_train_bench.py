@@ -32,6 +32,9 @@ def test_train_bench_tiny_cpu(tmp_path: Path, nproc: int, variants: str) -> None
     for name, row in rows.items():
         assert "error" not in row, row
         assert row["tokens_per_s"] > 0 and len(row["step_times"]) == 2
+        # the GC time of each timed step beside it, and the median step
+        assert len(row["gc_pause_s"]) == 2 and all(0 <= g <= t for g, t in zip(row["gc_pause_s"], row["step_times"]))
+        assert min(row["step_times"]) <= row["step_s_median"] <= max(row["step_times"])
         assert len(row["loss_curve"]) == 3  # warm-up step included
         assert row["world_size"] == nproc
     # same weights and data: shardwise ZeRO-2 tracks the plain-torch baseline
@@ -49,3 +52,35 @@ def test_train_bench_tiny_cpu(tmp_path: Path, nproc: int, variants: str) -> None
     assert {a["variant"] for a in agreement} == set(rows)
     assert all(a["verdict"] == "ok" and a["steps"] == 3 for a in agreement), agreement
     assert "loss agreement" in proc.stdout
+
+
+def test_measure_records_gc_pauses_per_step() -> None:
+    """A step that runs the garbage collector shows its time in gc_pause_s, one that does not
+    shows none: a slow step can be told from a GC pause."""
+    import gc
+
+    import torch
+
+    from tests.benchmarks._load import BENCH_DIR
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    import _common as common
+    cfg = common.BenchConfig(device="cpu", warmup=0, steps=4)
+    calls = iter(range(4))
+
+    def step() -> torch.Tensor:
+        if next(calls) % 2:
+            junk = [[i] for i in range(200_000)]  # something for the collector to walk
+            gc.collect()
+            del junk
+        return torch.zeros(())
+
+    gc.disable()  # only the explicit collections (callbacks still run for them)
+    try:
+        m = common.measure(step, cfg, torch.device("cpu"), setup_s=0.0)
+    finally:
+        gc.enable()
+    assert len(m.gc_pause_s) == len(m.step_times) == 4
+    assert m.gc_pause_s[0] == 0.0 and m.gc_pause_s[2] == 0.0
+    assert m.gc_pause_s[1] > 0 and m.gc_pause_s[3] > 0
+    assert all(g <= t for g, t in zip(m.gc_pause_s, m.step_times))
