@@ -34,7 +34,7 @@
 # issue 26 done), issue20q, issue20r, a short issue20q on one H100 (RESULTS.md "Twenty-fourth
 # session"): int8 with its head in int8 1.48x / 1.53x bf16, compile-to-compile noise +-5%.
 # With one GPU next: issue23g if the machine is an H200 (issue 23's last target); on an H100,
-# issue 20's int8 (several compiles of one config: see RESULTS.md on the variance).
+# issue20s (int8: realize_outputs, each variant twice; see RESULTS.md on the variance).
 #
 # On a machine with several GPUs, `bash scripts/device_plan.sh parallel NAME NAME ...` runs
 # up to one call per GPU at once (CUDA_VISIBLE_DEVICES=i, its own share of the cores through
@@ -95,6 +95,7 @@ CALLS=(
   "issue26k    26  300 s  stage 3 keeps what it reuses across the turns: z3 compiled vs fsdp2, ABBA, + stage-3 GPU tests"
   "issue20q    20  450 s  int8 7B batch 1: attention reduction / split and the LM head in int8 (decode_probe), bf16 beside"
   "issue20r    20  400 s  int8 with its LM head in int8 (the new default) against bf16, 7B batch 1 (infer_bench), + the int8-head GPU tests"
+  "issue20s    20  560 s  int8 7B batch 1: realize_outputs (the down GEMV without the residual add) against the default, twice each, bf16 beside; + GPU tests"
   "issue26m    26  260 s  issue26k's pair with 16 timed steps a run, ABBA, GC pauses recorded (26k: 1.051x and 0.993x, one 1.23 s step)"
   "gputests    all 560 s  the CUDA tests of the new paths (-v, one log)"
   "diag        20   60 s  the two CUDA test failures of 2026-12-05: split-KV blocks, int4 round trip"
@@ -296,6 +297,19 @@ run_issue20r() {
     -k "int8_head" 2>&1 | tail -n 8
   python3 benchmarks/infer_bench.py --units 7b:sw_inject:1 7b:sw_int8:1 7b:sw_int8@realize_inputs=true:1 --budget "${BENCH_S:-330}" \
     --out "$OUT/infer_int8_head.json"
+}
+
+# The down GEMV with the residual add fused took 21.5-26.3 us in the step against 16.9-18.2 us
+# alone (two profiles, twenty-fourth session); realize_outputs writes the GEMV's output and lets
+# the add join the next norm kernel. Each row its own process; the inductor cache makes the
+# repeated rows a second process of the same kernels (run-to-run noise, not compile noise).
+run_issue20s() {
+  timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_inference_gpu.py \
+    -k "int8_head or realize_outputs" 2>&1 | tail -n 8
+  python3 benchmarks/infer_bench.py --units 7b:sw_inject:1 7b:sw_int8:1 \
+    7b:sw_int8@realize_outputs=true:1 7b:sw_int8@realize_inputs=true:1 \
+    7b:sw_int8@realize_outputs=true/realize_inputs=true:1 --budget "${BENCH_S:-480}" \
+    --out "$OUT/infer_realize_outputs.json"
 }
 
 run_issue20a() { python3 benchmarks/infer_bench.py --preset call1 --budget 540 --out "$OUT/infer_call1.json"; }

@@ -78,6 +78,12 @@ class DecodeOptions:
     139 us a layer against 78 us alone. Written first (twenty-first session) the int8 step
     went from 5.13 to 3.60 ms, 279.5 tokens/s against 185.8 for bf16 (1.50x, from 1.05-1.23x);
     the bf16 reduction GEMV with it is not measured yet, so "auto" leaves it fused."""
+    realize_outputs: bool = False
+    """Write each reduction GEMV's output as it is (``quant.realized``), so the residual add
+    after the down projection runs in the next layer's RMS-norm kernel instead of as the
+    GEMV's epilogue. Two profiles of the 7B int8 step on one H100 (RESULTS.md twenty-fourth
+    session) had the down GEMV with the add fused at 21.5-26.3 us against 16.9-18.2 us for the
+    same GEMV alone; off until measured (``device_plan.sh issue20s``)."""
     regional: Union[bool, str] = "auto"
     """Compile each decoder layer instead of the whole step (regional compilation): dynamo
     traces one layer and every identical layer reuses its graph, so the cold start no longer
@@ -125,7 +131,8 @@ class DecodeOptions:
         for name, allowed in (("gemv", ("cublas", "reduction")), ("int8", INT8_KERNELS),
                               ("attention", ("auto", "sdpa", "split", "reduction")),
                               ("regional", (True, False, "auto")),
-                              ("realize_inputs", (True, False, "auto"))):
+                              ("realize_inputs", (True, False, "auto")),
+                              ("realize_outputs", (True, False))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"DecodeOptions.{name} = {getattr(self, name)!r}; expected one of "
                                   f"{', '.join(map(str, allowed))}.")
@@ -433,6 +440,7 @@ class FastDecoder(nn.Module):
                 module.int8_kernel = options.int8
                 module.realize_input = (module.scale is not None if options.realize_inputs == "auto"
                                         else bool(options.realize_inputs))
+                module.realize_output = options.realize_outputs
             elif isinstance(module, WeightOnlyInt8Linear):  # an int8 LM head, called as it is
                 module.int8_kernel = options.int8
                 module.realize_input = options.realize_inputs in ("auto", True)

@@ -35,18 +35,20 @@ class Proj(nn.Module):
         self.reduce_gemv = False  # DecodeOptions.gemv == "reduction" (compiled CUDA decode step)
         self.int8_kernel = "reduction"  # DecodeOptions.int8 (CUDA, int8 weights)
         self.realize_input = False  # DecodeOptions.realize_inputs (reduction GEMVs)
+        self.realize_output = False  # DecodeOptions.realize_outputs (reduction GEMVs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias_now = None if self.plan is not None else self.bias
         if self.scale is None and self.reduce_gemv and x.is_cuda and torch.compiler.is_compiling() \
                 and x.numel() // x.shape[-1] <= GEMV_ROWS:
-            y = gemv(x, self.weight, realize_input=self.realize_input)
+            y = gemv(x, self.weight, realize_input=self.realize_input,
+                     realize_output=self.realize_output)
             y = y if bias_now is None else y + bias_now
         elif self.scale is None:
             y = F.linear(x, self.weight, bias_now)
         else:
             y = int8_linear(x, self.weight, self.scale, bias_now, self.int8_kernel,
-                            self.realize_input)
+                            self.realize_input, self.realize_output)
         if self.plan is not None:
             y = all_reduce(y, self.plan)
             if self.bias is not None:

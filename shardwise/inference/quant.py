@@ -68,23 +68,26 @@ def realized(x: torch.Tensor) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
-         realize_input: bool = False) -> torch.Tensor:
+         realize_input: bool = False, realize_output: bool = False) -> torch.Tensor:
     """The reduction form of x @ (weight [* scale]).T, accumulated in fp32 (see int8_linear).
 
     Under torch.compile the (..., out, in) product is never materialised: inductor emits one
     reduction kernel that reads each weight element once. Eager, it would be: compiled only.
     ``realize_input``: ``x`` is written to memory first (``realized``), not recomputed inside.
+    ``realize_output``: the result is written as it is, so what follows (a residual add) is
+    not fused into the GEMV's kernel as an epilogue but into the next kernel.
     """
     if realize_input:
         x = realized(x)
     out = (x.unsqueeze(-2).float() * weight.float()).sum(dim=-1)
-    return (out if scale is None else out * scale.float()).to(x.dtype)
+    out = (out if scale is None else out * scale.float()).to(x.dtype)
+    return realized(out) if realize_output else out
 
 
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-              realize_input: bool = False) -> torch.Tensor:
+              realize_input: bool = False, realize_output: bool = False) -> torch.Tensor:
     """The reduction form of x @ (weight * scale).T for an int8 weight."""
-    return gemv(x, weight, scale, realize_input)
+    return gemv(x, weight, scale, realize_input, realize_output)
 
 
 INT8_KERNELS = ("reduction", "int8pack")
@@ -108,7 +111,7 @@ def int8pack_available(device_type: str) -> bool:
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, kernel: str = "reduction",
-                realize_input: bool = False) -> torch.Tensor:
+                realize_input: bool = False, realize_output: bool = False) -> torch.Tensor:
     """x @ (weight * scale).T (+ bias) without materialising the float weight where possible.
 
     * CPU, eager, or ``kernel="int8pack"`` for a CUDA decode step of at most ``GEMV_ROWS``
@@ -128,7 +131,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                                         scale.to(x.dtype))
         out = out.reshape(*shape[:-1], weight.shape[0])
     elif torch.compiler.is_compiling() and x.device.type == "cuda" and rows <= GEMV_ROWS:
-        out = int8_gemv(x, weight, scale, realize_input)
+        out = int8_gemv(x, weight, scale, realize_input, realize_output)
     else:
         out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
     return out if bias is None else out + bias

@@ -50,7 +50,9 @@ def test_bf16_and_int8_run_compiled():
     # kv_bucket: one graph per bucket (16, 32, 48 over 40 new tokens), one dynamic-length trace
     ("kv_bucket=16", 40), ("kv_bucket=16+regional=true", 40), ("kv_bucket=16+attention=split", 40),
     # the GEMV inputs written to memory first (an inductor barrier), whole step and regional
-    ("gemv=reduction+realize_inputs=true", 8), ("gemv=reduction+realize_inputs=true+regional=true", 8)])
+    ("gemv=reduction+realize_inputs=true", 8), ("gemv=reduction+realize_inputs=true+regional=true", 8),
+    # and their outputs (the residual add moves into the next kernel)
+    ("gemv=reduction+realize_outputs=true", 8)])
 def test_decode_options_give_hf_tokens_fp32(options, new):
     """Every DecodeOptions alternative of the compiled step (decode_probe compares their speed)."""
     from shardwise.inference.decode import DecodeOptions
@@ -91,10 +93,13 @@ def test_int8_kernels_give_the_same_tokens():
     assert out.shape == ref.shape and (out == ref).float().mean() > 0.8
 
 
-@pytest.mark.parametrize("regional", [False, True])
-def test_int8_head_compiled_whole_step_and_regional(regional):
+@pytest.mark.parametrize("options", ["regional=false", "regional=true",
+                                     "regional=false+realize_outputs=true"])
+def test_int8_head_compiled_whole_step_and_regional(options):
     """The int8 LM head runs in the compiled step (whole step), or compiled on its own beside
-    the regional layers (eager it would write its weight out in bf16 every step)."""
+    the regional layers (eager it would write its weight out in bf16 every step); with the
+    GEMV outputs written first too."""
+    regional = "regional=true" in options
     from shardwise.inference.decode import DecodeOptions
     from shardwise.inference.quant import WeightOnlyInt8Linear
     m = tiny("llama")
@@ -104,7 +109,7 @@ def test_int8_head_compiled_whole_step_and_regional(regional):
     assert isinstance(eng.decoder.lm_head, WeightOnlyInt8Linear)
     eager = copy.deepcopy(eng.module)
     torch._dynamo.reset()
-    eng.decoder.set_options(DecodeOptions.parse(f"regional={str(regional).lower()}"))
+    eng.decoder.set_options(DecodeOptions.parse(options))
     eng.decoder.compile_step(cuda_graph=True)
     assert (eng.decoder.lm_head._compiled_call_impl is not None) == regional
     out = eng.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)

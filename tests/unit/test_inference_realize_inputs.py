@@ -1,4 +1,5 @@
-"""DecodeOptions.realize_inputs: the reduction GEMV's input becomes a buffer under compile."""
+"""DecodeOptions.realize_inputs / realize_outputs: the reduction GEMV's input (output) becomes
+a buffer under compile."""
 import pytest
 import torch
 
@@ -102,3 +103,36 @@ def test_option_parses_and_defaults_to_auto():
     assert DecodeOptions.parse("realize_inputs=false").realize_inputs is False
     with pytest.raises(shardwise.errors.ConfigError, match="realize_inputs"):
         DecodeOptions(realize_inputs="sometimes")
+
+
+def _gemv_then_add(x, w, residual, realize_output):
+    return gemv(x, w, realize_output=realize_output) + residual
+
+
+@pytest.mark.parametrize("realize", [False, True])
+def test_output_barrier_is_in_the_compiled_graph_only_when_asked(realize):
+    x, w, _ = _inputs()
+    residual = torch.randn(1, 1, 384)
+    targets = _traced_targets(lambda a, b, c: _gemv_then_add(a, b, c, realize), x, w, residual)
+    barrier = torch.ops.prims.inductor_force_stride_order.default
+    found = [t for t in targets if t in (barrier, torch.ops.prims.inductor_force_stride_order)]
+    assert len(found) == (1 if realize else 0), targets
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c: _gemv_then_add(a, b, c, realize), fullgraph=True,
+                             dynamic=False)
+    torch.testing.assert_close(compiled(x, w, residual), torch.nn.functional.linear(x, w) + residual,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_realize_outputs_reaches_every_projection_and_is_checked():
+    from shardwise.errors import ConfigError
+    eng = shardwise.init_inference(tiny("llama"), dtype="int8", replace_with_kernel_inject=True,
+                                   max_out_tokens=64)
+    dec = eng.decoder
+    projs = [m for m in dec.modules() if isinstance(m, Proj)]
+    dec.set_options(DecodeOptions.parse("realize_outputs=true"))
+    assert projs and all(p.realize_output and p.realize_input for p in projs)
+    dec.set_options(DecodeOptions())
+    assert not any(p.realize_output for p in projs)
+    with pytest.raises(ConfigError, match="realize_outputs"):
+        DecodeOptions(realize_outputs="auto")
