@@ -71,6 +71,15 @@ class InferenceEngine(nn.Module):
                               "{\"device\": \"cpu\" or \"nvme\"}} in the config.")
         layerwise = layer_weights if layer_weights is not None \
             else layerwise_checkpoint(model, config)  # ZeRO-Inference reads it per layer
+        if layerwise is not None and config.int8:
+            raise ConfigError("dtype \"int8\" quantizes a model's weights in place once they are "
+                              "loaded, but this ZeRO-Inference model is filled layer by layer from "
+                              "its checkpoint as it streams (a meta model with zero stage 3 + "
+                              "offload_param), so there is nothing to quantize up front. For int8 "
+                              "weights streamed this way use \"weight_quantization\": "
+                              "{\"quantized_initialization\": {\"num_bits\": 8, \"group_size\": 64}} "
+                              "with dtype \"bf16\" or \"fp16\"; or build the model with real "
+                              "weights (not on meta) to keep dtype \"int8\".")
         if config.checkpoint is not None and layerwise is None:
             load_into(model, config.checkpoint, config.base_dir, host_device(config, self.device),
                       self.dtype)

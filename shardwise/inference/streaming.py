@@ -190,7 +190,7 @@ class LayerStreamer:
             ref.set(view, self._replaced)
 
     def _layout(self, index: int, items: List[Tuple[Region, torch.Tensor]]) -> LayerImage:
-        quant = self.settings.quant
+        quant = self.settings.quant if items else None  # a layer that streams nothing: no groups
         offsets, size = layout([(r.dtype, r.numel) for r, _ in items], quant)
         for (region, _), off in zip(items, offsets):
             region.offset = off

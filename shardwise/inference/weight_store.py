@@ -109,16 +109,17 @@ def layout(storages: List[Tuple[torch.dtype, int]], quant: Optional[QuantSpec]) 
 
     Quantized images pad every storage to a whole number of groups (groups never straddle
     two tensors)."""
-    offsets, pos = [], 0
+    offsets, pos, end = [], 0, _ALIGN  # a layer may stream nothing (all under the threshold)
     for dtype, numel in storages:
         size = torch.empty((), dtype=dtype).element_size()
         pos += -pos % _ALIGN
         if quant is not None:
             unit = quant.group_size * size
             pos += -pos % unit
+            end = max(_ALIGN, unit)
         offsets.append(pos)
         pos += numel * size
-    pos += -pos % (_ALIGN if quant is None else max(_ALIGN, quant.group_size * size))
+    pos += -pos % end
     return offsets, max(pos, _ALIGN)
 
 

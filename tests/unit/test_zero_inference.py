@@ -152,6 +152,32 @@ def test_bad_values_are_errors_naming_them(tmp_path):
         shardwise.init_inference(m, zero={"stage": 3, "offload_param": {"device": "nvme"}})
 
 
+def test_quantized_streaming_when_a_layer_streams_nothing():
+    """Every tensor of these small layers is under the persistence threshold, so the layers
+    stream nothing; weight_quantization used to fail on the empty layer image (an unbound
+    name in the layout, then a group view of zero groups). Nothing is quantized: exact tokens."""
+    m = model("llama", layers=2)
+    ids, mask, ref = reference(m, batch=2, new=4)
+    section = {"stage": 3, "offload_param": {"device": "cpu"},
+               "stage3_param_persistence_threshold": layer_numel(m)}
+    eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", zero_optimization=section,
+                                   weight_quantization={"quantized_initialization": {"num_bits": 8,
+                                                                                     "group_size": 64}})
+    assert all(not img.regions for img in eng.streamer.images)
+    out = eng.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=1)
+    assert torch.equal(out, ref)
+
+
+def test_int8_dtype_on_a_meta_model_streamed_from_its_checkpoint_is_a_clear_error(tmp_path):
+    m = model("llama", layers=2)
+    m.save_pretrained(tmp_path / "ckpt")
+    with shardwise.OnDevice(dtype=torch.float32, device="meta"):
+        empty = type(m)(m.config)
+    with pytest.raises(ConfigError, match="weight_quantization.*num_bits.*8"):
+        shardwise.init_inference(empty, dtype="int8", checkpoint=str(tmp_path / "ckpt"),
+                                 zero_optimization=zero(m))
+
+
 @pytest.mark.parametrize("family,where", [("opt", "cpu"),
                                           pytest.param("llama", "nvme", marks=pytest.mark.windows)])
 def test_meta_model_streams_from_checkpoint_layer_by_layer(family, where, tmp_path, monkeypatch):
