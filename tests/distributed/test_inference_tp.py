@@ -40,17 +40,28 @@ def _one_family(family):
     except ConfigError as err:
         errors.append(str(err))
     keep = mask.bool()
+    # int8 weights (the untied Llama head int8 too, replicated): TP gives one process's int8 engine
+    int8 = {"dtype": "int8", "replace_with_kernel_inject": True, "max_out_tokens": 64}
+    one = shardwise.init_inference(copy.deepcopy(model), config=int8)
+    tp8 = shardwise.init_inference(copy.deepcopy(model), config={**int8, "tensor_parallel": {"tp_size": 2}})
+    ref8 = one.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=1, eos_token_id=None)
+    out8 = tp8.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=1, eos_token_id=None)
+    err8 = (tp8(ids, attention_mask=mask).logits - one(ids, attention_mask=mask).logits)[keep].abs().max().item()
     return {"tokens_equal": torch.equal(out, ref), "logit_err": (logits[keep] - ref_logits[keep]).abs().max().item(),
-            "full": full, "held": held, "errors": errors}
+            "full": full, "held": held, "errors": errors, "int8_tokens_equal": torch.equal(out8, ref8),
+            "int8_logit_err": err8, "int8_head": type(tp8.module.get_output_embeddings()).__name__}
 
 
 @pytest.mark.slow
 def test_tp2_gives_the_reference_tokens_and_holds_half():
     """Llama (GQA) and OPT in one spawn of 2 gloo ranks (spawning is the slow part)."""
     results = run_distributed(_tp_worker, 2)
+    assert [r["llama"]["int8_head"] for r in results] == ["WeightOnlyInt8Linear"] * 2
+    assert [r["opt"]["int8_head"] for r in results] == ["Linear"] * 2  # OPT's head is tied: float
     for res in (r[family] for r in results for family in ("llama", "opt")):
         assert res["tokens_equal"]
         assert res["logit_err"] < 1e-4
+        assert res["int8_tokens_equal"] and res["int8_logit_err"] < 1e-4
         for name, n in res["full"].items():
             if name.endswith("weight") and any(p in name for p in ("q_proj", "k_proj", "v_proj", "o_proj",
                                                                    "gate_proj", "up_proj", "down_proj",
