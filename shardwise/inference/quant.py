@@ -180,8 +180,10 @@ def tied_head(model: nn.Module) -> bool:
     emb = get_in() if callable(get_in) else None
     out = get_out() if callable(get_out) else None
     weight_in, weight_out = getattr(emb, "weight", None), getattr(out, "weight", None)
-    return weight_in is not None and weight_out is not None and \
-        (weight_in is weight_out or weight_in.data_ptr() == weight_out.data_ptr())
+    if weight_in is None or weight_out is None:
+        return False
+    return weight_in is weight_out or \
+        (not weight_in.is_meta and weight_in.data_ptr() == weight_out.data_ptr())  # meta: ptr 0
 
 
 def _float_ids(model: nn.Module, head: bool) -> set:

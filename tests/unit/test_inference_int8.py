@@ -75,6 +75,8 @@ def test_lm_head_quantized_unless_tied_or_turned_off(family, tied):
     from shardwise.inference.quant import tied_head
     m = tiny(family)
     assert tied_head(m) == tied
+    with shardwise.OnDevice(dtype=torch.float32, device="meta"):  # meta weights share pointer 0
+        assert tied_head(type(m)(m.config)) == tied
     eng = shardwise.init_inference(copy.deepcopy(m), dtype="int8", max_out_tokens=64)
     head = eng.module.get_output_embeddings()
     assert isinstance(head, WeightOnlyInt8Linear) != tied
