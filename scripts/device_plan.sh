@@ -93,7 +93,7 @@ CALLS=(
   "issue26h    26  100 s  compiled vs compiled at GA 4 with the HF loss compiled: fsdp2, sw z2, sw z3"
   "issue26s    26  570 s  scale_bench: shardwise vs DeepSpeed, exact-size pinning"
   "issue26k    26  300 s  stage 3 keeps what it reuses across the turns: z3 compiled vs fsdp2, ABBA, + stage-3 GPU tests"
-  "issue20q    20  450 s  int8 7B batch 1: attention reduction / split and the LM head in int8 (decode_probe), bf16 beside"
+  "issue20q    20  450 s  int8 7B batch 1: attention reduction / split (decode_probe), bf16 beside"
   "issue20r    20  400 s  int8 with its LM head in int8 (the new default) against bf16, 7B batch 1 (infer_bench), + the int8-head GPU tests"
   "issue20s    20  560 s  int8 7B batch 1: realize_outputs (the down GEMV without the residual add) against the default, twice each, bf16 beside; + GPU tests"
   "issue26m    26  260 s  issue26k's pair with 16 timed steps a run, ABBA, GC pauses recorded (26k: 1.051x and 0.993x, one 1.23 s step)"
@@ -284,10 +284,11 @@ run_issue20p() {
 }
 
 # int8 at 7B batch 1 (1.50x bf16, target 1.6x): attention is 8.2% of the step (32 blocks of
-# the SDPA kernel at batch 1) and the bf16 LM head 262 MB a step; both levers in one process.
+# the SDPA kernel at batch 1). Its first run also probed an int8 LM head ("7b-int8h", a probe
+# size since removed: the head is int8 by default now, so 7b-int8 has it).
 run_issue20q() {
   python3 benchmarks/decode_probe.py --budget "${PROBE_S:-430}" --jobs \
-    7b-int8:base,7b-int8:attention=reduction,7b-int8:attention=split,7b-int8h:base,7b-int8h:attention=reduction,7b:base,7b:attention=reduction
+    7b-int8:base,7b-int8:attention=reduction,7b-int8:attention=split,7b:base,7b:attention=reduction
 }
 
 # issue20q: the int8 step 3.76 ms with the bf16 head, 3.33 ms with an int8 head (a probe).
