@@ -84,6 +84,13 @@ class DecodeOptions:
     GEMV's epilogue. Two profiles of the 7B int8 step on one H100 (RESULTS.md twenty-fourth
     session) had the down GEMV with the add fused at 21.5-26.3 us against 16.9-18.2 us for the
     same GEMV alone; off until measured (``device_plan.sh issue20s``)."""
+    act_epilogue: bool = False
+    """A gated MLP's gate and up projections as two reduction GEMVs over the one input
+    (``Proj.halves``) instead of one over the fused weight: inductor fuses sibling reductions
+    into one kernel, with SiLU(gate) * up as its epilogue, so the step loses a kernel a layer
+    (the fused weight's output is split in half, which no epilogue can read). Reduction GEMVs
+    only (int8 weights, or ``gemv="reduction"``); off until measured (``device_plan.sh
+    issue20t``)."""
     regional: Union[bool, str] = "auto"
     """Compile each decoder layer instead of the whole step (regional compilation): dynamo
     traces one layer and every identical layer reuses its graph, so the cold start no longer
@@ -132,7 +139,8 @@ class DecodeOptions:
                               ("attention", ("auto", "sdpa", "split", "reduction")),
                               ("regional", (True, False, "auto")),
                               ("realize_inputs", (True, False, "auto")),
-                              ("realize_outputs", (True, False))):
+                              ("realize_outputs", (True, False)),
+                              ("act_epilogue", (True, False))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"DecodeOptions.{name} = {getattr(self, name)!r}; expected one of "
                                   f"{', '.join(map(str, allowed))}.")
@@ -216,6 +224,7 @@ class Block(nn.Module):
         self.scale = spec.attn_scale
         self.prescale_q = spec.prescale_q
         self.decode_attention = "auto"  # DecodeOptions.attention (CUDA decode steps)
+        self.act_epilogue = False  # DecodeOptions.act_epilogue (reduction GEMVs)
         self.sms = 0  # the SM count of the weights' GPU (set_options); 0: never split
         self.qkv = self._qkv(spec, layer, plan)
         self.o = row_parallel(layer.o, plan.chunk(spec.n_heads * spec.head_dim) if plan.active else None, plan)
@@ -293,11 +302,13 @@ class Block(nn.Module):
         return self.o(out)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            return self.down(self.act(gate) * up)
-        return self.down(self.act(h))
+        if not self.gated:
+            return self.down(self.act(self.up(x)))
+        if self.act_epilogue and self.up.reduces(x):
+            gate, up = self.up.halves(x)
+        else:
+            gate, up = self.up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
 
     def forward(self, x, rope, cache, pos, mask):
         if self.parallel:
@@ -446,6 +457,7 @@ class FastDecoder(nn.Module):
                 module.realize_input = options.realize_inputs in ("auto", True)
             elif isinstance(module, Block):
                 module.decode_attention = options.attention
+                module.act_epilogue = options.act_epilogue
                 module.sms = sms
 
     def compile_step(self, cuda_graph: bool) -> None:

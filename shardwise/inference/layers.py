@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import Linear
-from .quant import GEMV_ROWS, gemv, int8_linear
+from .quant import GEMV_ROWS, gemv, int8_linear, realized
 from .tp import TPPlan, all_reduce
 
 
@@ -37,10 +37,30 @@ class Proj(nn.Module):
         self.realize_input = False  # DecodeOptions.realize_inputs (reduction GEMVs)
         self.realize_output = False  # DecodeOptions.realize_outputs (reduction GEMVs)
 
+    def reduces(self, x: torch.Tensor) -> bool:
+        """True where ``x @ W.T`` runs as a reduction GEMV: a compiled CUDA decode step of at
+        most ``GEMV_ROWS`` rows, with ``gemv="reduction"`` (float W) or int8 W's reduction."""
+        if not (x.is_cuda and torch.compiler.is_compiling() and x.numel() // x.shape[-1] <= GEMV_ROWS):
+            return False
+        return self.reduce_gemv if self.scale is None else self.int8_kernel == "reduction"
+
+    def halves(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The two halves of a column-parallel output (gate and up) as two reductions over the
+        one input (``DecodeOptions.act_epilogue``). Where ``reduces(x)``, inductor fuses the
+        sibling reductions into one kernel, and whatever combines the two halves elementwise
+        (SiLU(gate) * up) becomes its epilogue instead of a kernel of its own."""
+        if self.realize_input:
+            x = realized(x)
+        n = self.weight.shape[0] // 2
+        out = []
+        for rows in (slice(0, n), slice(n, None)):
+            y = gemv(x, self.weight[rows], None if self.scale is None else self.scale[rows])
+            out.append(y if self.bias is None else y + self.bias[rows])
+        return out[0], out[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias_now = None if self.plan is not None else self.bias
-        if self.scale is None and self.reduce_gemv and x.is_cuda and torch.compiler.is_compiling() \
-                and x.numel() // x.shape[-1] <= GEMV_ROWS:
+        if self.scale is None and self.reduces(x):
             y = gemv(x, self.weight, realize_input=self.realize_input,
                      realize_output=self.realize_output)
             y = y if bias_now is None else y + bias_now

@@ -52,7 +52,9 @@ def test_bf16_and_int8_run_compiled():
     # the GEMV inputs written to memory first (an inductor barrier), whole step and regional
     ("gemv=reduction+realize_inputs=true", 8), ("gemv=reduction+realize_inputs=true+regional=true", 8),
     # and their outputs (the residual add moves into the next kernel)
-    ("gemv=reduction+realize_outputs=true", 8)])
+    ("gemv=reduction+realize_outputs=true", 8),
+    # gate and up as sibling reductions, SiLU(gate) * up their epilogue
+    ("gemv=reduction+act_epilogue=true", 8), ("gemv=reduction+act_epilogue=true+regional=true", 8)])
 def test_decode_options_give_hf_tokens_fp32(options, new):
     """Every DecodeOptions alternative of the compiled step (decode_probe compares their speed)."""
     from shardwise.inference.decode import DecodeOptions
@@ -94,7 +96,8 @@ def test_int8_kernels_give_the_same_tokens():
 
 
 @pytest.mark.parametrize("options", ["regional=false", "regional=true",
-                                     "regional=false+realize_outputs=true"])
+                                     "regional=false+realize_outputs=true",
+                                     "regional=false+act_epilogue=true+realize_outputs=true"])
 def test_int8_head_compiled_whole_step_and_regional(options):
     """The int8 LM head runs in the compiled step (whole step), or compiled on its own beside
     the regional layers (eager it would write its weight out in bf16 every step); with the

@@ -136,3 +136,37 @@ def test_realize_outputs_reaches_every_projection_and_is_checked():
     assert not any(p.realize_output for p in projs)
     with pytest.raises(ConfigError, match="realize_outputs"):
         DecodeOptions(realize_outputs="auto")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_act_epilogue_mlp_equals_the_fused_mlp(dtype, monkeypatch):
+    """DecodeOptions.act_epilogue: gate and up as two reductions (Proj.halves) give the fused
+    GEMV's MLP output, float and int8 (per-row scales split with the rows), under compile."""
+    eng = shardwise.init_inference(tiny("llama"), dtype=dtype, replace_with_kernel_inject=True,
+                                   max_out_tokens=64)
+    dec = eng.decoder
+    block = dec.blocks[0]
+    x = torch.randn(1, 1, block.up.weight.shape[1], generator=torch.Generator().manual_seed(1))
+    expected = block.mlp(x)  # eager: the fused weight's F.linear / int8pack
+    dec.set_options(DecodeOptions.parse("act_epilogue=true+gemv=reduction"))
+    assert all(b.act_epilogue for b in dec.blocks)
+    # Proj.reduces is True only for a compiled CUDA step: take that branch on the CPU here
+    monkeypatch.setattr(Proj, "reduces", lambda self, t: torch.compiler.is_compiling())
+    torch._dynamo.reset()
+    calls = []
+    halves = Proj.halves
+    monkeypatch.setattr(Proj, "halves", lambda self, t: calls.append(1) or halves(self, t))
+    got = torch.compile(block.mlp, fullgraph=True, dynamic=False)(x)
+    assert calls, "the compiled MLP did not take the two-reduction branch"
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    dec.set_options(DecodeOptions())
+    assert not any(b.act_epilogue for b in dec.blocks)
+    with pytest.raises(shardwise.errors.ConfigError, match="act_epilogue"):
+        DecodeOptions(act_epilogue="yes")
+
+
+def test_reduces_is_false_outside_a_compiled_cuda_step():
+    eng = shardwise.init_inference(tiny("llama"), dtype="int8", replace_with_kernel_inject=True,
+                                   max_out_tokens=64)
+    proj = eng.decoder.blocks[0].up
+    assert proj.reduces(torch.zeros(1, 1, proj.weight.shape[1])) is False
