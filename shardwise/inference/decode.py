@@ -31,7 +31,8 @@ from shardwise.accelerator.graphs import GraphedCallable
 from shardwise.errors import ConfigError
 
 from .arch import DecoderSpec, LayerSpec
-from .layers import (SPLIT_KV_CHUNK, Proj, column_parallel, head_rows, reduction_attention,
+from .layers import (SPLIT_KV_CHUNK, Proj, column_parallel, flex_attention_available,
+                     flex_decode_attention, head_rows, reduction_attention,
                      row_parallel, split_kv_attention)
 from .quant import INT8_KERNELS, WeightOnlyInt8Linear, int8pack_available
 from .tp import TPPlan
@@ -59,7 +60,9 @@ class DecodeOptions:
     the efficient kernel per KV head), "split" (flash-decoding: the cache in 64-key blocks
     through the same kernel, combined by their log-sum-exp; ``layers.split_kv_attention``;
     only while batch x KV heads < 2 x the SM count, beyond that "sdpa" fills the GPU),
-    "reduction" (q.k, softmax and p.v as reductions over the cache, fp32 accumulation) or
+    "reduction" (q.k, softmax and p.v as reductions over the cache, fp32 accumulation),
+    "flex" (``torch.nn.attention.flex_attention`` with the mask as a score modification;
+    inductor's flex-decoding template splits the cache over the SMs; torch >= 2.5) or
     "auto": "split" while batch x KV heads <= SMs / 8, else "sdpa". Measured on one H100
     (132 SMs, RESULTS.md sixteenth session): split was 1.10x sdpa for the 1.1B Llama at batch
     1 (4 KV heads), 0.92x for the 7B at batch 1 (32), 0.77x at batch 8 (256)."""
@@ -136,7 +139,7 @@ class DecodeOptions:
 
     def __post_init__(self) -> None:
         for name, allowed in (("gemv", ("cublas", "reduction")), ("int8", INT8_KERNELS),
-                              ("attention", ("auto", "sdpa", "split", "reduction")),
+                              ("attention", ("auto", "sdpa", "split", "reduction", "flex")),
                               ("regional", (True, False, "auto")),
                               ("realize_inputs", (True, False, "auto")),
                               ("realize_outputs", (True, False)),
@@ -296,6 +299,8 @@ class Block(nn.Module):
                 out = split_kv_attention(q, keys, values, mask, scale)
             elif kind == "reduction" and torch.compiler.is_compiling():
                 out = reduction_attention(q, keys, values, mask, scale)
+            elif kind == "flex" and torch.compiler.is_compiling():
+                out = flex_decode_attention(q, keys, values, mask, scale)
             else:
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         out = out.reshape(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
@@ -442,6 +447,10 @@ class FastDecoder(nn.Module):
             raise ConfigError(f"DecodeOptions.int8 = 'int8pack' but this torch "
                               f"({torch.__version__}) has no torch._weight_int8pack_mm for "
                               f"{device.type}; use int8='reduction' (the default)")
+        if options.attention == "flex" and not flex_attention_available():
+            raise ConfigError(f"DecodeOptions.attention = 'flex' but this torch ({torch.__version__}) "
+                              f"has no torch.nn.attention.flex_attention (torch >= 2.5); use "
+                              f"attention='auto' (the default)")
         self.options = options
         sms = torch.cuda.get_device_properties(device).multi_processor_count \
             if self.embed.weight.is_cuda else 0

@@ -160,6 +160,32 @@ def reduction_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return out.to(q.dtype)
 
 
+def flex_attention_available() -> bool:
+    """True where this torch has ``torch.nn.attention.flex_attention`` (2.5 and later)."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def flex_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                          scale: Optional[float]) -> torch.Tensor:
+    """Decode attention through PyTorch's FlexAttention: q (B, H, G, D) over k/v (B, H, S, D),
+    bool mask (B, 1, G, S) applied as a score modification (masked scores become -inf).
+
+    Compiled, inductor lowers it to its flex-decoding template, which splits the cache over the
+    SMs (flash-decoding) in one kernel plus a small combine, rather than one block per head.
+    Every row must have a visible key (decode: its own position).
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def masked(score, b, h, q_idx, kv_idx):
+        return torch.where(mask[b, 0, q_idx, kv_idx], score, -float("inf"))
+
+    return flex_attention(q, k, v, score_mod=masked, scale=scale)
+
+
 #: keys per block of ``split_kv_attention`` (one key block of the efficient kernel at D = 128)
 SPLIT_KV_CHUNK = 64
 

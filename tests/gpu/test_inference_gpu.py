@@ -54,7 +54,9 @@ def test_bf16_and_int8_run_compiled():
     # and their outputs (the residual add moves into the next kernel)
     ("gemv=reduction+realize_outputs=true", 8),
     # gate and up as sibling reductions, SiLU(gate) * up their epilogue
-    ("gemv=reduction+act_epilogue=true", 8), ("gemv=reduction+act_epilogue=true+regional=true", 8)])
+    ("gemv=reduction+act_epilogue=true", 8), ("gemv=reduction+act_epilogue=true+regional=true", 8),
+    # FlexAttention's decoding template, the mask as a score modification
+    ("attention=flex", 8), ("attention=flex+regional=true", 8), ("attention=flex+kv_bucket=16", 40)])
 def test_decode_options_give_hf_tokens_fp32(options, new):
     """Every DecodeOptions alternative of the compiled step (decode_probe compares their speed)."""
     from shardwise.inference.decode import DecodeOptions

@@ -170,3 +170,20 @@ def test_reduces_is_false_outside_a_compiled_cuda_step():
                                    max_out_tokens=64)
     proj = eng.decoder.blocks[0].up
     assert proj.reduces(torch.zeros(1, 1, proj.weight.shape[1])) is False
+
+
+def test_flex_decode_attention_equals_masked_sdpa():
+    """DecodeOptions.attention="flex": FlexAttention with the mask as a score modification
+    gives masked SDPA's output (eager and compiled; left padding and a partly written cache)."""
+    from shardwise.inference.layers import flex_decode_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 64, generator=g) for n in (2, 96, 96))
+    mask = torch.zeros(2, 1, 2, 96, dtype=torch.bool)
+    mask[0, ..., :40] = True
+    mask[1, ..., 5:90] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
+    torch.testing.assert_close(flex_decode_attention(q, k, v, mask, 0.125), ref, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_decode_attention, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(q, k, v, mask, 0.125), ref, rtol=1e-5, atol=1e-5)
+    assert DecodeOptions.parse("attention=flex").attention == "flex"
