@@ -321,8 +321,8 @@ run_issue20s() {
 # attention=flex (FlexAttention's decoding template) spreads the cache over the SMs (attention
 # is 8% of the step: 32 blocks of the efficient kernel at batch 1).
 run_issue20t() {
-  timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_inference_gpu.py \
-    -k "act_epilogue or flex" 2>&1 | tail -n 8
+  timeout "${TESTS_S:-110}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_inference_gpu.py \
+    -k "${TESTS_K:-act_epilogue or flex}" 2>&1 | tail -n 8
   python3 benchmarks/infer_bench.py --units 7b:sw_inject:1 7b:sw_int8:1 \
     7b:sw_int8@act_epilogue=true/realize_outputs=true:1 7b:sw_int8@attention=flex:1 \
     7b:sw_int8@act_epilogue=true/realize_outputs=true/attention=flex:1 7b:sw_int8@realize_outputs=true:1 \
