@@ -97,6 +97,7 @@ CALLS=(
   "issue20r    20  400 s  int8 with its LM head in int8 (the new default) against bf16, 7B batch 1 (infer_bench), + the int8-head GPU tests"
   "issue20s    20  560 s  int8 7B batch 1: realize_outputs (the down GEMV without the residual add) against the default, twice each, bf16 beside; + GPU tests"
   "issue20t    20  560 s  int8 7B batch 1: act_epilogue (SiLU(gate)*up in the gate/up GEMV), realize_outputs, attention=flex, bf16 beside; + GPU tests"
+  "issue20u    20  340 s  issue20t cut to what 524 device-seconds allow: two GPU tests, bf16, int8 with act_epilogue+realize_outputs, and with attention=flex too"
   "issue26m    26  260 s  issue26k's pair with 16 timed steps a run, ABBA, GC pauses recorded (26k: 1.051x and 0.993x, one 1.23 s step)"
   "gputests    all 560 s  the CUDA tests of the new paths (-v, one log)"
   "diag        20   60 s  the two CUDA test failures of 2026-12-05: split-KV blocks, int4 round trip"
@@ -323,10 +324,17 @@ run_issue20s() {
 run_issue20t() {
   timeout "${TESTS_S:-110}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_inference_gpu.py \
     -k "${TESTS_K:-act_epilogue or flex}" 2>&1 | tail -n 8
-  python3 benchmarks/infer_bench.py --units 7b:sw_inject:1 7b:sw_int8:1 \
+  # shellcheck disable=SC2086  # UNITS is a list
+  python3 benchmarks/infer_bench.py --units ${UNITS:-7b:sw_inject:1 7b:sw_int8:1 \
     7b:sw_int8@act_epilogue=true/realize_outputs=true:1 7b:sw_int8@attention=flex:1 \
-    7b:sw_int8@act_epilogue=true/realize_outputs=true/attention=flex:1 7b:sw_int8@realize_outputs=true:1 \
+    7b:sw_int8@act_epilogue=true/realize_outputs=true/attention=flex:1 7b:sw_int8@realize_outputs=true:1} \
     --budget "${BENCH_S:-440}" --out "$OUT/infer_act_epilogue.json"
+}
+
+run_issue20u() {
+  TESTS_S=50 TESTS_K="(act_epilogue or flex) and not regional and not kv_bucket and not int8_head" \
+    BENCH_S="${BENCH_S:-280}" UNITS="7b:sw_inject:1 7b:sw_int8@act_epilogue=true/realize_outputs=true:1 \
+    7b:sw_int8@act_epilogue=true/realize_outputs=true/attention=flex:1" run_issue20t
 }
 
 run_issue20a() { python3 benchmarks/infer_bench.py --preset call1 --budget 540 --out "$OUT/infer_call1.json"; }
