@@ -86,7 +86,7 @@ class DecodeOptions:
     after the down projection runs in the next layer's RMS-norm kernel instead of as the
     GEMV's epilogue. Two profiles of the 7B int8 step on one H100 (RESULTS.md twenty-fourth
     session) had the down GEMV with the add fused at 21.5-26.3 us against 16.9-18.2 us for the
-    same GEMV alone; off until measured (``device_plan.sh issue20s``)."""
+    same GEMV alone; off until measured (``device_plan.sh issue20t``)."""
     act_epilogue: bool = False
     """A gated MLP's gate and up projections as two reduction GEMVs over the one input
     (``Proj.halves``) instead of one over the fused weight: inductor fuses sibling reductions
