@@ -85,7 +85,7 @@ def make_engine(variant: str, model: Any, torch: Any, max_tokens: int, device: s
     engine = shardwise.init_inference(model, dtype="int8" if variant == "sw_int8" else dtype,
                                       replace_with_kernel_inject=True, max_out_tokens=max_tokens)
     if decode and engine.decoder is not None and device == "cuda":  # decode_probe's winner
-        from shardwise.inference.decode import DecodeOptions
+        from shardwise.inference.options import DecodeOptions
         engine.decoder.set_options(DecodeOptions.parse(decode))
         engine.decoder.compile_step(engine.cuda_graph)
     return engine

@@ -50,7 +50,7 @@ JOB_ESTIMATE_S = {"tiny": 5, "1.1b": 40, "7b": 55}
 
 def parse_options(text: str) -> Any:
     """``gemv=reduction+attention=split`` -> DecodeOptions (``base``: the defaults)."""
-    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.options import DecodeOptions
     return DecodeOptions.parse(text)
 
 

@@ -108,7 +108,7 @@ def parse_unit(text: str) -> Tuple[str, List[str], List[int]]:
         if "@" in v:
             if base_variant(v) not in ("sw_inject", "sw_int8"):
                 raise SystemExit(f"unit {text!r}: only sw_inject / sw_int8 take @DecodeOptions")
-            from shardwise.inference.decode import DecodeOptions
+            from shardwise.inference.options import DecodeOptions
             DecodeOptions.parse(variant_options(v))  # a typo fails before anything runs
     return size, variants, batches
 

@@ -122,7 +122,7 @@ def _engine(size: str, variant: str, args: argparse.Namespace, max_tokens: int):
     import shardwise
     engine, *_ = shardwise.initialize(model=model, config=cfg)
     if options:
-        from shardwise.inference.decode import DecodeOptions
+        from shardwise.inference.options import DecodeOptions
         engine.decode_options = DecodeOptions.parse(options)
     return engine, shardwise.zero.GatheredParameters
 

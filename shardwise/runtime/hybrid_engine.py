@@ -43,7 +43,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..errors import ConfigError
 from ..utils.logging import log_dist, warn_once
-from ..inference.decode import DecodeOptions
+from ..inference.options import DecodeOptions
 from ..inference.tp import TPPlan, make_plan
 from ..zero import GatheredParameters
 from .engine import ShardwiseEngine

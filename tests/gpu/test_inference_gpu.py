@@ -59,7 +59,7 @@ def test_bf16_and_int8_run_compiled():
     ("attention=flex", 8), ("attention=flex+regional=true", 8), ("attention=flex+kv_bucket=16", 40)])
 def test_decode_options_give_hf_tokens_fp32(options, new):
     """Every DecodeOptions alternative of the compiled step (decode_probe compares their speed)."""
-    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.options import DecodeOptions
     torch.backends.cuda.matmul.allow_tf32 = False
     m = tiny("llama").cuda()
     eng = shardwise.init_inference(copy.deepcopy(m), dtype="fp32", replace_with_kernel_inject=True,
@@ -79,7 +79,7 @@ def test_int8_kernels_give_the_same_tokens():
     int8 weights and scales; bf16 rounding may flip a late token), or a clear error where this
     torch has no CUDA int8pack kernel."""
     from shardwise.errors import ConfigError
-    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.options import DecodeOptions
     from shardwise.inference.quant import int8pack_available
     m = tiny("llama")
     ids, mask = _cuda(3)
@@ -105,7 +105,7 @@ def test_int8_head_compiled_whole_step_and_regional(options):
     the regional layers (eager it would write its weight out in bf16 every step); with the
     GEMV outputs written first too."""
     regional = "regional=true" in options
-    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.options import DecodeOptions
     from shardwise.inference.quant import WeightOnlyInt8Linear
     m = tiny("llama")
     ids, mask = _cuda(3)

@@ -138,7 +138,7 @@ def test_fuse_and_unfuse_lora_weight_in_place():
 @pytest.mark.parametrize("options,new", [("attention=reduction+gemv=reduction", 4),
                                          ("kv_bucket=16", 20)])  # 20 new: two buckets
 def test_decode_options_reach_the_inference_copy_and_tokens_stay_the_references(options, new):
-    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.options import DecodeOptions
     model = tiny("llama")
     reference = copy.deepcopy(model)
     engine, *_ = shardwise.initialize(model=model, config=config(3, {}))

@@ -161,7 +161,7 @@ def test_gemma_layout_runs_the_fast_path():
 
 
 def test_decode_options_name_the_bad_value():
-    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.options import DecodeOptions
     with pytest.raises(ConfigError, match="attention = 'flash'"):
         DecodeOptions(attention="flash")
 
@@ -232,7 +232,7 @@ def test_split_kv_attention_gives_fully_masked_blocks_no_weight_whatever_the_ker
 
 
 def test_decode_options_parse_the_probe_names():
-    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.options import DecodeOptions
     opts = DecodeOptions.parse("gemv=reduction+attention=split+coordinate_descent=false")
     assert (opts.gemv, opts.attention, opts.coordinate_descent) == ("reduction", "split", False)
     assert DecodeOptions.parse("base") == DecodeOptions()
@@ -241,7 +241,7 @@ def test_decode_options_parse_the_probe_names():
 
 
 def test_max_autotune_option_reaches_the_compile_options(monkeypatch):
-    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.options import DecodeOptions
     seen = {}
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.update(kw) or fn)
     eng = shardwise.init_inference(tiny("llama"), dtype="fp32", replace_with_kernel_inject=True,
@@ -256,7 +256,7 @@ def test_max_autotune_option_reaches_the_compile_options(monkeypatch):
 def test_auto_attention_splits_only_few_kv_groups():
     """DecodeOptions' default "auto": flash-decoding while batch x KV heads <= SMs / 8 (the
     1.1B Llama at batch 1 on an H100 gained 1.10x; the 7B at batch 1, 32 groups, lost 8%)."""
-    from shardwise.inference.decode import DecodeOptions, decode_attention_kind
+    from shardwise.inference.options import DecodeOptions, decode_attention_kind
     assert DecodeOptions().attention == "auto"
     assert decode_attention_kind("auto", 4, 640, 132) == "split"  # 1.1B (4 KV heads), batch 1
     assert decode_attention_kind("auto", 16, 640, 132) == "split"
@@ -285,7 +285,7 @@ def test_int8_kernel_option_reaches_every_projection_and_gives_the_same_tokens()
     """DecodeOptions.int8 = "int8pack" routes the int8 projections through
     torch._weight_int8pack_mm (on CPU it is the eager path anyway, so the tokens must not move);
     a bad value names the choices."""
-    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.options import DecodeOptions
     from shardwise.inference.layers import Proj
     with pytest.raises(ConfigError, match="int8 = 'fast'.*reduction, int8pack"):
         DecodeOptions(int8="fast")
@@ -302,11 +302,12 @@ def test_int8_kernel_option_reaches_every_projection_and_gives_the_same_tokens()
 
 def test_int8pack_on_a_torch_without_it_is_a_clear_error(monkeypatch):
     from shardwise.inference import decode
+    from shardwise.inference.options import DecodeOptions
     monkeypatch.setattr(decode, "int8pack_available", lambda device_type: False)
     eng = shardwise.init_inference(tiny("llama"), dtype="int8", replace_with_kernel_inject=True,
                                    max_out_tokens=32)
     with pytest.raises(ConfigError, match=r"no torch._weight_int8pack_mm for cpu; use int8='reduction'"):
-        eng.decoder.set_options(decode.DecodeOptions.parse("int8=int8pack"))
+        eng.decoder.set_options(DecodeOptions.parse("int8=int8pack"))
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
@@ -314,7 +315,7 @@ def test_regional_compile_traces_one_layer_and_gives_hf_tokens(family, monkeypat
     """DecodeOptions.regional: every decoder layer runs compiled code, dynamo traces the layer
     once for all of them (the cold start does not grow with depth), and the tokens are the
     plain model's. A later whole-step compile drops the per-layer compiled code again."""
-    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.options import DecodeOptions
     real_compile = torch.compile
     graphs, calls = [], []
 
@@ -352,21 +353,21 @@ def test_regional_auto_compiles_per_layer_from_the_layer_size(monkeypatch):
     least REGIONAL_LAYER_BYTES of projection weights (the 7B Llama's), the whole step below
     (the 1.1B's); True and False force it; other values are refused."""
     from shardwise.errors import ConfigError
-    from shardwise.inference import decode
+    from shardwise.inference import options
     m = tiny("llama")
     eng = _inject(m)
     expected = sum(p.numel() * p.element_size() for n, p in m.model.layers[0].named_parameters()
                    if "proj" in n)
     assert eng.decoder.layer_bytes() == expected
-    assert decode.DecodeOptions().regional == "auto" == decode.DecodeOptions.parse("regional=auto").regional
+    assert options.DecodeOptions().regional == "auto" == options.DecodeOptions.parse("regional=auto").regional
     seven_b = 4096 * (4 * 4096 + 3 * 11008) * 2  # q, k, v, o + gate, up, down in bf16
     one_b = 2048 * (2 * 2048 + 2 * 256 + 3 * 5632) * 2  # GQA: 4 KV heads of 64
-    assert decode.regional_compile("auto", seven_b) and not decode.regional_compile("auto", one_b)
-    assert decode.regional_compile(True, 0) and not decode.regional_compile(False, seven_b)
+    assert options.regional_compile("auto", seven_b) and not options.regional_compile("auto", one_b)
+    assert options.regional_compile(True, 0) and not options.regional_compile(False, seven_b)
     for threshold, regional in ((expected, True), (expected + 1, False)):
-        monkeypatch.setattr(decode, "REGIONAL_LAYER_BYTES", threshold)
-        eng.decoder.set_options(decode.DecodeOptions())
+        monkeypatch.setattr(options, "REGIONAL_LAYER_BYTES", threshold)
+        eng.decoder.set_options(options.DecodeOptions())
         eng.decoder.compile_step(cuda_graph=False)
         assert all((b._compiled_call_impl is not None) == regional for b in eng.decoder.blocks)
     with pytest.raises(ConfigError, match=r"DecodeOptions.regional = 'maybe'; expected one of True, False, auto"):
-        decode.DecodeOptions.parse("regional=maybe")
+        options.DecodeOptions.parse("regional=maybe")

@@ -104,7 +104,7 @@ def test_perplexity_delta_with_and_without_the_head():
 
 
 def test_decode_options_reach_an_int8_head():
-    from shardwise.inference.decode import DecodeOptions
+    from shardwise.inference.options import DecodeOptions
     eng = shardwise.init_inference(tiny("llama"), dtype="int8", replace_with_kernel_inject=True,
                                    max_out_tokens=64)
     head = eng.decoder.lm_head

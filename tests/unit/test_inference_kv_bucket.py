@@ -7,7 +7,7 @@ import torch
 
 import shardwise
 from shardwise.errors import ConfigError
-from shardwise.inference.decode import DecodeOptions
+from shardwise.inference.options import DecodeOptions
 from tests.unit._inference_models import prompts, tiny
 
 

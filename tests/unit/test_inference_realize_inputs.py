@@ -5,7 +5,7 @@ import torch
 
 import shardwise
 
-from shardwise.inference.decode import DecodeOptions
+from shardwise.inference.options import DecodeOptions
 from shardwise.inference.layers import Proj
 from shardwise.inference.quant import gemv, int8_gemv, int8_linear, quantize_weight, realized
 from tests.unit._inference_models import tiny
