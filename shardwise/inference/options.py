@@ -1,10 +1,9 @@
 """How the compiled decode step is built: ``DecodeOptions`` and the two choices derived from it.
 
-Every option here only changes the compiled CUDA step's kernels, never its tokens: eager and
-CPU runs read none of them except ``kv_bucket`` (which attends to a written prefix of the
-cache, the same keys under the same mask). ``benchmarks/decode_probe.py`` and
-``infer_bench.py``'s ``@key=value`` units compare them on a GPU; RESULTS.md holds what each
-measured.
+The options pick kernels, compilation and how much of the cache a step reads, never the
+tokens (the unit and GPU tests compare each with the plain model's ``generate``).
+``benchmarks/decode_probe.py`` and ``infer_bench.py``'s ``@key=value`` units compare their
+speed on a GPU; RESULTS.md holds what each measured.
 """
 from __future__ import annotations
 
