@@ -33,7 +33,8 @@ import torch
 from ..errors import StorageError
 from ..utils.logging import logger
 from .aligned import ALIGN, alloc_aligned, byte_view
-from .file_ops import DirectFallback, RequestFiles, default_positional, file_size, plan_blocks
+from .file_ops import (DirectFallback, RequestFiles, default_positional, file_size, plan_blocks,
+                       read_descriptor)
 from .gds import INSTALL_HINT, gds_transfer, kvikio_module
 
 #: Most threads one handle starts (intra_op_parallelism * queue_depth is capped here).
@@ -52,6 +53,7 @@ class _Request:
     path: str
     offset: int
     validate: bool
+    fd: Optional[int] = None      # the caller's open descriptor, where it gave one
     files: Optional[RequestFiles] = None
     futures: List["Future[None]"] = field(default_factory=list)
     gds_wait: Optional[Callable[[], int]] = None
@@ -83,9 +85,12 @@ class _Request:
 def _validate(req: _Request) -> None:
     """DeepSpeed's ``validate``: compare the buffer with the file read back plainly."""
     nbytes = req.host.numel()
-    with open(req.path, "rb") as f:
-        f.seek(req.offset)
-        on_disk = f.read(nbytes)
+    if req.fd is None:
+        with open(req.path, "rb") as f:
+            f.seek(req.offset)
+            on_disk = f.read(nbytes)
+    else:
+        on_disk = read_descriptor(req.fd, req.offset, nbytes)
     if on_disk != req.host.numpy().tobytes():
         raise StorageError(f"{req.path}: validation failed: the {nbytes} bytes at offset "
                            f"{req.offset} differ from the tensor after the "
@@ -296,7 +301,7 @@ class AsyncIOHandle:
             host = alloc_aligned(tensor.numel() * tensor.element_size(), pin=True)
             if write:
                 host.copy_(byte_view(tensor, path))
-        req = _Request(write, tensor, host, path, offset, validate)
+        req = _Request(write, tensor, host, path, offset, validate, fd)
         req.files = RequestFiles(path, write, self._direct, self._fallback, self._positional, fd)
         if host.numel() == 0:
             return req

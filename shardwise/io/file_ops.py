@@ -22,8 +22,9 @@ import errno
 import os
 import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Dict, List, Optional, Set
+from typing import BinaryIO, Callable, Dict, Iterator, List, Optional, Set
 
 import torch
 
@@ -136,17 +137,48 @@ _fallocate = libc.fallocate
 PREALLOCATE = True
 
 
+#: Serializes seeking IO on callers' descriptors (Windows has no pread/pwrite): every
+#: request on one descriptor moves its one shared file position.
+_DESCRIPTOR_LOCK = threading.Lock()
+
+
+@contextmanager
+def _kept_position(f: BinaryIO) -> Iterator[BinaryIO]:
+    """``f`` (over a caller's descriptor) to seek and move on, alone; the caller's file position
+    is back afterwards, as after pread/pwrite."""
+    with _DESCRIPTOR_LOCK:
+        position = f.tell()
+        try:
+            yield f
+        finally:
+            f.seek(position)
+
+
+def read_descriptor(fd: int, offset: int, nbytes: int) -> bytes:
+    """``nbytes`` at ``offset`` of a caller's open descriptor, its file position kept."""
+    with open(fd, "rb", buffering=0, closefd=False) as raw, _kept_position(raw) as f:
+        f.seek(offset)
+        return f.read(nbytes)
+
+
 class RequestFiles:
     """The open handles of one request on ``path`` (``fd`` given: the caller's descriptor,
-    used positionally and not closed). Thread-safe: every method may run on any thread."""
+    never closed, used positionally, or where the OS has no pread/pwrite through one handle
+    over it, a block at a time). Thread-safe: every method may run on any thread."""
 
     def __init__(self, path: str, write: bool, direct: bool, fallback: DirectFallback,
                  positional: bool = HAS_POSITIONAL, fd: Optional[int] = None) -> None:
-        self.path, self.write, self.positional = path, write, positional or fd is not None
+        # a caller's descriptor cannot be reopened by name: positional where the OS can, else
+        # one handle over it, one block at a time (Windows)
+        self.path, self.write = path, write
+        self.positional = positional or (fd is not None and HAS_POSITIONAL)
         self._fallback = fallback
         self._own = fd is None
         self._lock = threading.Lock()
         self._threads: Dict[int, BinaryIO] = {}
+        self._shared: Optional[BinaryIO] = None
+        if fd is not None and not self.positional:
+            self._shared = os.fdopen(fd, "wb" if write else "rb", buffering=0, closefd=False)
         flags = (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | _BINARY
         self._fd = fd if fd is not None else self._open(flags)
         self._dfd = -1
@@ -157,7 +189,7 @@ class RequestFiles:
                 if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
                 fallback.refuse(path, err)
-        if not self.positional:  # the per-thread handles reopen by name
+        if not self.positional and self._own:  # the per-thread handles reopen by name
             os.close(self._fd)
             self._fd = -1
 
@@ -228,7 +260,13 @@ class RequestFiles:
         return f
 
     def _move_seek(self, block: Block, view: memoryview) -> None:
-        f = self._thread_file()
+        if self._shared is None:
+            self._seek_move(self._thread_file(), block, view)
+        else:
+            with _kept_position(self._shared) as f:
+                self._seek_move(f, block, view)
+
+    def _seek_move(self, f: BinaryIO, block: Block, view: memoryview) -> None:
         f.seek(block.file_offset)
         if self.write:
             _full(lambda v, _o: f.write(v) or 0, view, block.file_offset, self.path, False)
@@ -238,6 +276,9 @@ class RequestFiles:
     def close(self) -> None:
         with self._lock:
             handles, self._threads = list(self._threads.values()), {}
+            if self._shared is not None:  # closefd=False: the descriptor stays the caller's
+                handles.append(self._shared)
+                self._shared = None
         for f in handles:
             f.close()
         for fd in (self._dfd, self._fd if self._own else -1):

@@ -60,3 +60,25 @@ def test_io_bench_json_runs_here(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["verified"] is True and out["read_gbps"] > 0 and out["baseline_write_gbps"] > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_open_descriptors_round_trip_and_validate(tmp_path):
+    """DeepSpeed's async_pwrite / pread onto an open descriptor (``f.fileno()``): Windows has
+    no pread/pwrite, so the moves go through one handle over the descriptor, which stays open
+    and keeps its position."""
+    gen = torch.Generator().manual_seed(1)
+    h = AsyncIOHandle(1000, 2, False, True, 2)
+    tensors = [torch.randn(n, generator=gen) for n in (3, 700, 2500)]
+    offsets = [0, 64, 4000]
+    with open(tmp_path / "fd.bin", "w+b") as f:
+        for t, off in zip(tensors, offsets):
+            h.async_pwrite(t, f.fileno(), off)
+        assert h.wait() == 3
+        back = [torch.empty_like(t) for t in tensors]
+        for t, off in zip(back, offsets):
+            h.async_pread(t, f.fileno(), off)
+        assert h.wait() == 3
+        assert h.pwrite(tensors[0], f.fileno(), True, False, 0) == 1  # validate=True
+        assert f.tell() == 0
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+    h.close()
