@@ -64,13 +64,14 @@ def test_io_bench_json_runs_here(tmp_path, capsys):
 
 def test_open_descriptors_round_trip_and_validate(tmp_path):
     """DeepSpeed's async_pwrite / pread onto an open descriptor (``f.fileno()``): Windows has
-    no pread/pwrite, so the moves go through one handle over the descriptor, which stays open
-    and keeps its position."""
+    no pread/pwrite, so the requests take turns seeking one handle over the descriptor, which
+    stays open, keeps the caller's position, and holds every byte where it was written."""
     gen = torch.Generator().manual_seed(1)
-    h = AsyncIOHandle(1000, 2, False, True, 2)
+    h = AsyncIOHandle(512, 4, False, True, 4, positional=None if sys.platform == "win32" else False)
     tensors = [torch.randn(n, generator=gen) for n in (3, 700, 2500)]
     offsets = [0, 64, 4000]
-    with open(tmp_path / "fd.bin", "w+b") as f:
+    path = tmp_path / "fd.bin"
+    with open(path, "w+b") as f:
         for t, off in zip(tensors, offsets):
             h.async_pwrite(t, f.fileno(), off)
         assert h.wait() == 3
@@ -79,6 +80,9 @@ def test_open_descriptors_round_trip_and_validate(tmp_path):
             h.async_pread(t, f.fileno(), off)
         assert h.wait() == 3
         assert h.pwrite(tensors[0], f.fileno(), True, False, 0) == 1  # validate=True
-        assert f.tell() == 0
+        assert f.tell() == 0  # the caller's position, as after pwrite / pread
+        assert len(f.read()) == 4000 + 2500 * 4  # the descriptor is still open
     assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+    data = path.read_bytes()
+    assert all(data[off:off + t.numel() * 4] == t.numpy().tobytes() for t, off in zip(tensors, offsets))
     h.close()
